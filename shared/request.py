@@ -96,3 +96,131 @@ _FINISHED_REASONS = {
 }
 
 # The Request class (the scheduler's per-request state) lives below; see the engine-core issue.
+
+
+@dataclass(frozen=True)
+class PlaceholderRange:
+    """Where one multimodal input sits in the prompt: `length` placeholder tokens from `offset`."""
+
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.length < 1:
+            raise ValueError(f"placeholder needs offset >= 0 and length >= 1, got {self.offset}, {self.length}")
+
+
+class Request:
+    """The scheduler's per-request state: tokens, progress, lifecycle and in-flight bookkeeping.
+
+    Token lists are owned by the request: read `output_token_ids`/`all_token_ids`, never mutate them.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        arrival_time: float = 0.0,
+        mm_positions: list[PlaceholderRange] | None = None,
+        mm_hashes: list[str] | None = None,
+        kv_transfer_params: dict | None = None,
+        cache_salt: str | None = None,
+        structured_output_request=None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
+        if mm_hashes is not None and len(mm_hashes) != len(mm_positions or ()):
+            raise ValueError(f"request {request_id!r}: mm_hashes must match mm_positions one to one")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.mm_positions: list[PlaceholderRange] = list(mm_positions or ())
+        # Stable per-input identities for prefix-cache keys; positions stand in when absent.
+        self.mm_hashes = list(mm_hashes) if mm_hashes is not None else [
+            f"{request_id}#{i}" for i in range(len(self.mm_positions))
+        ]
+        self.kv_transfer_params = kv_transfer_params
+        self.cache_salt = cache_salt
+        self.structured_output_request = structured_output_request
+
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self._output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.spec_token_ids: list[int] = []
+        # Chained prefix-cache hashes of the full blocks so far (filled by the KV-cache manager).
+        self.block_hashes: list[bytes] = []
+        self.num_preemptions = 0
+        self.resumable = True  # False once the request failed and must not be continued
+        # Async bookkeeping: tokens expected from steps in flight, tokens scheduled in steps
+        # in flight, sampling steps in flight, and the in-flight share that predates a preemption.
+        self.num_output_placeholders = 0
+        self.num_in_flight_tokens = 0
+        self.num_in_flight_samples = 0
+        self.num_stale_output_tokens = 0
+        self.drop_stale_output = False
+        # Tokens known to be computed once an asynchronous KV load lands (WAITING_FOR_REMOTE_KVS).
+        self.num_pending_computed_tokens = 0
+        # Multimodal inputs whose encoder output exists (scheduled at least once).
+        self.encoder_inputs_done: set[int] = set()
+        # Stop set: EOS (unless ignored) plus stop tokens, checked once per sampled token.
+        stop_ids = set(sampling_params.stop_token_ids)
+        if eos_token_id is not None and not sampling_params.ignore_eos:
+            stop_ids.add(eos_token_id)
+        self._stop_ids = frozenset(stop_ids)
+        self.max_tokens = sampling_params.max_tokens
+
+    # ---- tokens -------------------------------------------------------------------------
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._output_token_ids
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self._all_token_ids) + len(self.spec_token_ids)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self._output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+
+    def set_eos_token_id(self, eos_token_id: int | None) -> None:
+        """Adopt the engine's EOS when the request was built without one."""
+        self.eos_token_id = eos_token_id
+        if eos_token_id is not None and not self.sampling_params.ignore_eos:
+            self._stop_ids = self._stop_ids | {eos_token_id}
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    @property
+    def skips_prefix_cache(self) -> bool:
+        # Prompt logprobs need logits at every prompt position, so no prompt token may be skipped.
+        return self.sampling_params.prompt_logprobs is not None
+
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def get_finished_reason(self) -> FinishReason | None:
+        return _FINISHED_REASONS.get(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.request import SamplingParams
+from shared.request import FinishReason, SamplingParams
 
 
 @dataclass
@@ -91,3 +91,29 @@ class ModelRunnerOutput:
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one request produced in one step, for the engine to stream."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    kv_transfer_params: dict | None = None  # set when a finished producer request holds KV for a peer
+    new_prompt_logprobs: Any = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """One update_from_output() result."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: Any = None  # SchedulerStats when the scheduler logs stats
+    finished_requests: set[str] = field(default_factory=set)  # finished during this update

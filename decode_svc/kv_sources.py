@@ -1,0 +1,103 @@
+"""The decode pod's view of prefill engines: their NIXL sources (fetched once per engine, cached)
+and the ReleaseKv confirmations that decide whether pulled KV may be used."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
+from shared import convert
+from shared.kv_transfer.handle import KvHandle
+from shared.kv_transfer.nixl_agent import KvRegion, KvSource
+
+logger = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 5.0
+
+
+class KvSourceUnavailable(RuntimeError):
+    """The prefill pod named in a handle cannot describe its KV memory (down, restarted, bad answer)."""
+
+
+class KvSourceCache:
+    """Channels to prefill pods by address, and their KV sources by engine id."""
+
+    def __init__(self, interceptors=()):
+        self._interceptors = list(interceptors)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._sources: dict[str, KvSource] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self.on_release_result = None  # set by the composition root: (request_id, intact) -> None
+
+    def _stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, interceptors=self._interceptors)
+            self._channels[address] = channel
+        return prefill_pb2_grpc.PrefillServiceStub(channel)
+
+    async def get(self, handle: KvHandle) -> KvSource:
+        cached = self._sources.get(handle.engine_id)
+        if cached is not None:
+            return cached
+        try:
+            answer = await self._stub(handle.source_address).GetKvSource(
+                prefill_pb2.GetKvSourceRequest(), timeout=RPC_TIMEOUT_S
+            )
+            described = convert.kv_source_from_proto(answer)
+        except (grpc.aio.AioRpcError, ValueError) as exc:
+            raise KvSourceUnavailable(f"GetKvSource from {handle.source_address} failed: {exc}") from exc
+        if described.engine_id != handle.engine_id:
+            raise KvSourceUnavailable(
+                f"{handle.source_address} now runs engine {described.engine_id}, not {handle.engine_id}"
+            )
+        source = _agent_source(described)
+        self._sources[handle.engine_id] = source
+        return source
+
+    def release_from_engine_thread(self, loop: asyncio.AbstractEventLoop, handle: KvHandle, request_id: str) -> None:
+        """The connector's release_remote hook: called on the engine thread, runs on the event loop."""
+        loop.call_soon_threadsafe(self._start_release, handle, request_id, True)
+
+    def release_quietly(self, handle: KvHandle, request_id: str) -> None:
+        """End a hold whose data will not be used (no answer needed)."""
+        self._start_release(handle, request_id, False)
+
+    def _start_release(self, handle: KvHandle, request_id: str, report: bool) -> None:
+        task = asyncio.ensure_future(self._release(handle, request_id, report))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _release(self, handle: KvHandle, request_id: str, report: bool) -> None:
+        intact = False
+        try:
+            answer = await self._stub(handle.source_address).ReleaseKv(
+                prefill_pb2.ReleaseKvRequest(request_id=request_id, engine_id=handle.engine_id),
+                timeout=RPC_TIMEOUT_S,
+            )
+            intact = answer.intact
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("ReleaseKv(%s) at %s failed: %s", request_id, handle.source_address, exc.code())
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
+                self._sources.pop(handle.engine_id, None)  # the engine may be gone; describe it afresh
+        if report and self.on_release_result is not None:
+            self.on_release_result(request_id, intact)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for channel in self._channels.values():
+            await channel.close()
+
+
+def _agent_source(described: convert.KvSource) -> KvSource:
+    return KvSource(
+        agent_name=described.agent_name,
+        agent_metadata=described.agent_metadata,
+        mem_type=described.memory_kind,
+        regions=tuple(KvRegion(r.address, r.length, r.device_id) for r in described.regions),
+        block_bytes=described.block_bytes,
+        num_blocks=described.num_blocks,
+    )

@@ -1,0 +1,131 @@
+"""A small Python client for the router's public Generate RPC (blocking and asyncio variants).
+
+    with PdserveClient("127.0.0.1:50051") as client:
+        for chunk in client.generate([1, 2, 3], max_tokens=8):
+            print(chunk.token_ids, chunk.text)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterator, Sequence
+
+import grpc
+
+from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
+from shared import convert
+from shared.request import FinishReason, SamplingParams
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    """One streamed piece of a completion; finish_reason is set on the last one."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+def build_generate_request(
+    prompt: str | Sequence[int], *, request_id: str | None = None, **sampling
+) -> generate_pb2.GenerateRequest:
+    """Validates the sampling kwargs (SamplingParams' fields) locally so mistakes fail before the call."""
+    params = SamplingParams(**sampling)
+    message = generate_pb2.GenerateRequest(
+        request_id=request_id or "", sampling=convert.sampling_params_to_proto(params)
+    )
+    if isinstance(prompt, str):
+        message.text = prompt
+    else:
+        message.token_ids.ids.extend(int(t) for t in prompt)
+    return message
+
+
+def chunk_from_proto(message: generate_pb2.GenerateResponse) -> GenerateChunk:
+    return GenerateChunk(
+        request_id=message.request_id,
+        token_ids=list(message.token_ids),
+        text=message.text,
+        finish_reason=convert.finish_reason_from_proto(message.finish_reason),
+        num_prompt_tokens=message.num_prompt_tokens,
+        num_output_tokens=message.num_output_tokens,
+    )
+
+
+def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+class PdserveClient:
+    """Blocking client. generate() yields chunks; leaving the loop early cancels the call."""
+
+    def __init__(self, address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        self.address = address
+        self._channel = grpc.insecure_channel(address, options=_channel_options(max_message_bytes))
+        self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        **sampling,
+    ) -> Iterator[GenerateChunk]:
+        request = build_generate_request(prompt, request_id=request_id, **sampling)
+        call = self._stub.Generate(request, timeout=timeout)
+        try:
+            for message in call:
+                yield chunk_from_proto(message)
+        finally:
+            call.cancel()  # no-op once the stream has ended
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "PdserveClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncPdserveClient:
+    """asyncio client. `async for chunk in client.generate(...)`; leaving the loop early cancels the call."""
+
+    def __init__(self, address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=_channel_options(max_message_bytes))
+        self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        **sampling,
+    ) -> AsyncIterator[GenerateChunk]:
+        request = build_generate_request(prompt, request_id=request_id, **sampling)
+        call = self._stub.Generate(request, timeout=timeout)
+        try:
+            async for message in call:
+                yield chunk_from_proto(message)
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncPdserveClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,102 @@
+"""Composition root of the router: flags -> config -> worker pools, servicer, gRPC server; runs until
+SIGTERM/SIGINT. Start with `python -m router --prefill HOST:PORT --decode HOST:PORT`."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+
+from prometheus_client import CollectorRegistry
+
+from proto.pdserve.v1 import decode_pb2_grpc, generate_pb2_grpc, prefill_pb2_grpc
+from router.config import RouterConfig, build_arg_parser
+from router.metrics import RouterMetrics
+from router.servicer import RouterServicer, RouterSettings
+from router.text import TextCodec
+from router.workers import PoolSettings, WorkerPool
+from shared.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServerOptions
+from shared.metrics import start_metrics_server
+from shared.telemetry import TracingConfig, setup_tracing
+
+logger = logging.getLogger("router")
+
+GENERATE_SERVICE = "pdserve.v1.GenerateService"
+PREFILL_SERVICE = "pdserve.v1.PrefillService"
+DECODE_SERVICE = "pdserve.v1.DecodeService"
+
+
+async def run(config: RouterConfig, *, env: dict[str, str]) -> None:
+    codec = TextCodec.from_path(config.tokenizer_path) if config.tokenizer_path else None
+    tracing = setup_tracing(
+        TracingConfig.from_flags_and_env(env, default_service_name="pdserve-router", otlp_endpoint=config.otlp_endpoint)
+    )
+    registry = CollectorRegistry()
+    metrics = RouterMetrics(registry)
+    metrics_server = (
+        start_metrics_server(registry, config.host, config.metrics_port) if config.metrics_port is not None else None
+    )
+    server = GrpcServer(
+        ServerOptions(host=config.host, port=config.port, grace_seconds=config.grace_seconds),
+        interceptors=tracing.server_interceptors(),
+    )
+
+    async def update_health() -> None:
+        # The router can serve only when both tiers have at least one healthy worker.
+        if server.is_started:
+            await server.set_serving(prefill.has_healthy and decode.has_healthy)
+
+    settings = PoolSettings(
+        health_interval_s=config.health_interval_s,
+        resolve_interval_s=config.resolve_interval_s,
+        probe_timeout_s=config.probe_timeout_s,
+        channel_options=[
+            ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+        ],
+        interceptors=tracing.client_interceptors(),
+    )
+    prefill = WorkerPool("prefill", config.prefill, prefill_pb2_grpc.PrefillServiceStub, PREFILL_SERVICE, settings,
+                         on_poll=update_health)
+    decode = WorkerPool("decode", config.decode, decode_pb2_grpc.DecodeServiceStub, DECODE_SERVICE, settings,
+                        on_poll=update_health)
+    servicer = RouterServicer(
+        prefill, decode,
+        RouterSettings(config.policy, config.max_prefill_retries, config.max_decode_retries),
+        codec=codec, metrics=metrics,
+    )
+    server.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer, GENERATE_SERVICE)
+    server.on_shutdown(servicer.drain)
+    try:
+        await server.start()
+        await prefill.start()
+        await decode.start()
+        await update_health()
+        print(f"router listening on {server.address} (prefill: {', '.join(prefill.addresses)}; "
+              f"decode: {', '.join(decode.addresses)}; policy {config.policy})", flush=True)
+        if metrics_server is not None:
+            print(f"router metrics at {metrics_server.url}", flush=True)
+        await server.serve_forever()
+    finally:
+        await server.stop()
+        await prefill.close()
+        await decode.close()
+        if metrics_server is not None:
+            metrics_server.stop()
+        tracing.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_arg_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = RouterConfig.from_args(args)
+    except ValueError as exc:
+        print(f"router: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(run(config, env=dict(os.environ)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,315 @@
+"""The public Generate RPC: validate, prefill on one pod (token 1 streamed at once), decode on another,
+relay tokens; retries, deadline and cancellation propagation, and KV-hold cleanup live here."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from proto.pdserve.v1 import generate_pb2_grpc, prefill_pb2
+from router.metrics import RouterMetrics
+from router.policy import NoPick, pick
+from router.text import TextCodec
+from router.workers import WorkerPool
+from shared import convert
+from shared.request import FinishReason, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+RELEASE_TIMEOUT_S = 2.0
+
+
+class RouteError(Exception):
+    """Ends the client's call with this status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class _Deadline:
+    """The client's deadline, as a timeout for each downstream call."""
+
+    def __init__(self, remaining_s: float | None):
+        self._at = None if remaining_s is None else time.monotonic() + remaining_s
+
+    def remaining(self) -> float | None:
+        if self._at is None:
+            return None
+        left = self._at - time.monotonic()
+        if left <= 0:
+            raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded in the router")
+        return left
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    policy: str = "least-loaded"
+    max_prefill_retries: int = 2
+    max_decode_retries: int = 2
+
+
+@dataclass
+class _Hold:
+    """A prefill pod's KV hold for one request; settled once a decode pod has confirmed (or the router
+    gave it up), after which no decode attempt may carry the handle."""
+
+    prefill_address: str
+    request_id: str
+    handle: convert.KvHandle
+    is_settled: bool = False
+
+
+# Failures that mean "this worker could not take the call": try another one.
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
+    def __init__(
+        self,
+        prefill: WorkerPool,
+        decode: WorkerPool,
+        settings: RouterSettings,
+        codec: TextCodec | None = None,
+        metrics: RouterMetrics | None = None,
+    ):
+        self._prefill = prefill
+        self._decode = decode
+        self._settings = settings
+        self._codec = codec
+        self._metrics = metrics
+        self._turns = {prefill.tier: 0, decode.tier: 0}
+        self._background: set[asyncio.Task] = set()
+
+    # ---- the RPC ------------------------------------------------------------------------------
+    async def Generate(self, request, context):
+        request_id = request.request_id or uuid.uuid4().hex
+        start = time.monotonic()
+        outcome = "error"
+        try:
+            prompt_ids, sampling = self._validate(request)
+            deadline = _Deadline(context.time_remaining())
+            text = self._codec.stream() if self._codec is not None else None
+            async for chunk in self._route(request_id, prompt_ids, sampling, deadline, text, start):
+                yield chunk
+            outcome = "ok"
+        except RouteError as exc:
+            outcome = exc.code.name.lower()
+            await context.abort(exc.code, exc.message)
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            if self._metrics is not None:
+                self._metrics.requests.labels(outcome=outcome).inc()
+
+    def _validate(self, request) -> tuple[list[int], SamplingParams]:
+        try:
+            prompt = convert.generate_prompt_from_proto(request)
+            sampling = convert.sampling_params_from_proto(request.sampling if request.HasField("sampling") else None)
+        except ValueError as exc:
+            raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        if isinstance(prompt, str):
+            if self._codec is None:
+                raise RouteError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "text prompts need a tokenizer: start the router with --tokenizer, or send token_ids",
+                )
+            prompt = self._codec.encode(prompt)
+            if not prompt:
+                raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, "prompt text encodes to no tokens")
+        return prompt, sampling
+
+    async def _route(self, request_id, prompt_ids, sampling, deadline, text, start) -> AsyncIterator:
+        result, prefill_address = await self._run_prefill(request_id, prompt_ids, sampling, deadline)
+        generated = [result.first_token_id]
+
+        def chunk(token_ids: list[int], finish: FinishReason | None):
+            return convert.generate_chunk_to_proto(
+                request_id=request_id,
+                token_ids=token_ids,
+                text=text.push(token_ids) if text is not None else "",
+                finish_reason=finish,
+                num_prompt_tokens=len(prompt_ids),
+                num_output_tokens=len(generated),
+            )
+
+        # Token 1 goes out before any decode work: TTFT never waits for the KV transfer.
+        yield chunk([result.first_token_id], result.finish_reason)
+        if self._metrics is not None:
+            self._metrics.ttft_seconds.observe(time.monotonic() - start)
+        if result.finish_reason is not None:
+            return
+        hold = _Hold(prefill_address, request_id, result.handle)
+        try:
+            async for token_ids, finish in self._run_decode(request_id, prompt_ids, sampling, generated, deadline, hold):
+                yield chunk(token_ids, finish)
+        finally:
+            # No decode pod confirmed the pull: free the prefill hold now instead of at lease expiry.
+            self._abandon(hold)
+
+    # ---- picking ------------------------------------------------------------------------------
+    def _pick(self, pool: WorkerPool, exclude: list[str]):
+        turn = self._turns[pool.tier]
+        self._turns[pool.tier] = turn + 1
+        return pick(self._settings.policy, pool.views(), turn, exclude)
+
+    @staticmethod
+    def _no_pick_error(pool: WorkerPool, reason: NoPick | None, last_error, tried: list[str]) -> RouteError:
+        if last_error is not None:
+            return RouteError(
+                last_error.code(),
+                f"{pool.tier} failed on {', '.join(tried)}: {last_error.details()}",
+            )
+        if reason is NoPick.ALL_OVERLOADED:
+            return RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"every {pool.tier} worker is overloaded")
+        return RouteError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"no healthy {pool.tier} worker (known: {', '.join(pool.addresses) or 'none'})",
+        )
+
+    # ---- prefill ------------------------------------------------------------------------------
+    async def _run_prefill(self, request_id, prompt_ids, sampling, deadline):
+        message = convert.prefill_request_to_proto(request_id, prompt_ids, sampling)
+        tried: list[str] = []
+        last_error = None
+        reason = None
+        for _ in range(1 + self._settings.max_prefill_retries):
+            choice = self._pick(self._prefill, tried)
+            if choice.address is None:
+                reason = choice.reason
+                break
+            tried.append(choice.address)
+            try:
+                with self._prefill.use(choice.address) as stub:
+                    response = await stub.Prefill(message, timeout=deadline.remaining())
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _RETRYABLE:
+                    raise RouteError(exc.code(), f"prefill worker {choice.address}: {exc.details()}") from None
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._prefill.mark_unavailable(choice.address)
+                self._count_retry("prefill")
+                last_error = exc
+                logger.warning("request %s: prefill on %s failed (%s), retrying", request_id, choice.address, exc.code())
+                continue
+            try:
+                return convert.prefill_result_from_proto(response), choice.address
+            except ValueError as exc:
+                raise RouteError(
+                    grpc.StatusCode.INTERNAL, f"prefill worker {choice.address} sent a bad response: {exc}"
+                ) from None
+        raise self._no_pick_error(self._prefill, reason, last_error, tried)
+
+    # ---- decode -------------------------------------------------------------------------------
+    async def _run_decode(self, request_id, prompt_ids, sampling, generated, deadline, hold: "_Hold"):
+        """Yields (new token ids, finish reason or None). `generated` (token 1 first) grows as tokens are
+        yielded, so a re-issue after a failure carries exactly what the client already has."""
+        tried: list[str] = []
+        last_error = None
+        reason = None
+        for _ in range(1 + self._settings.max_decode_retries):
+            if len(generated) >= sampling.max_tokens:
+                # A pod died right after the last token but before saying so: the request is complete.
+                yield [], FinishReason.LENGTH
+                return
+            choice = self._pick(self._decode, tried)
+            if choice.address is None:
+                reason = choice.reason
+                break
+            tried.append(choice.address)
+            carries_handle = not hold.is_settled
+            work = convert.DecodeInput(
+                request_id, prompt_ids, list(generated), sampling, hold.handle if carries_handle else None
+            )
+            received_any = False
+            try:
+                with self._decode.use(choice.address) as stub:
+                    call = stub.Decode(convert.decode_request_to_proto(work), timeout=deadline.remaining())
+                    try:
+                        async for response in call:
+                            decoded = self._decode_chunk(choice.address, response)
+                            if not received_any:
+                                received_any = True
+                                # The first message comes after the pull was confirmed (or given up).
+                                hold.is_settled = True
+                                self._record_pull(request_id, decoded.kv_pull)
+                            generated.extend(decoded.token_ids)
+                            if decoded.token_ids or decoded.finish_reason is not None:
+                                yield decoded.token_ids, decoded.finish_reason
+                            if decoded.finish_reason is not None:
+                                return
+                    finally:
+                        call.cancel()  # reaches the decode pod when the client went away
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _RETRYABLE:
+                    raise RouteError(exc.code(), f"decode worker {choice.address}: {exc.details()}") from None
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._decode.mark_unavailable(choice.address)
+                    # The pod may have died mid-pull: never hand the same KV to another pod; recompute.
+                    self._abandon(hold)
+                self._count_retry("decode")
+                last_error = exc
+                logger.warning(
+                    "request %s: decode on %s failed (%s) after %d tokens, re-issuing",
+                    request_id, choice.address, exc.code(), len(generated),
+                )
+                continue
+            raise RouteError(
+                grpc.StatusCode.INTERNAL, f"decode worker {choice.address} ended the stream without a finish reason"
+            )
+        raise self._no_pick_error(self._decode, reason, last_error, tried)
+
+    @staticmethod
+    def _decode_chunk(address: str, response) -> convert.DecodeChunk:
+        try:
+            return convert.decode_chunk_from_proto(response)
+        except ValueError as exc:
+            raise RouteError(grpc.StatusCode.INTERNAL, f"decode worker {address} sent a bad message: {exc}") from None
+
+    def _record_pull(self, request_id: str, stats: convert.KvPullStats | None) -> None:
+        if stats is None:
+            return
+        logger.debug("request %s: kv pull %s, %d blocks, %d bytes in %.4fs", request_id,
+                     stats.outcome.value, stats.num_blocks, stats.num_bytes, stats.seconds)
+        if self._metrics is not None:
+            self._metrics.kv_pulls.labels(outcome=stats.outcome.value).inc()
+
+    def _count_retry(self, tier: str) -> None:
+        if self._metrics is not None:
+            self._metrics.retries.labels(tier=tier).inc()
+
+    # ---- KV-hold cleanup ----------------------------------------------------------------------
+    def _spawn(self, coroutine) -> None:
+        # Runs even when the request's task is being cancelled; a reference keeps it from being collected.
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _abandon(self, hold: "_Hold") -> None:
+        """Gives up the hold (once): later decode attempts recompute, and the prefill pod frees the blocks."""
+        if hold.is_settled:
+            return
+        hold.is_settled = True
+        self._spawn(self._release(hold))
+
+    async def _release(self, hold: "_Hold") -> None:
+        try:
+            with self._prefill.use(hold.prefill_address) as stub:
+                await stub.ReleaseKv(
+                    prefill_pb2.ReleaseKvRequest(request_id=hold.request_id, engine_id=hold.handle.engine_id),
+                    timeout=RELEASE_TIMEOUT_S,
+                )
+        except (grpc.aio.AioRpcError, LookupError) as exc:
+            # The lease expiry frees the blocks anyway; this only makes it sooner.
+            logger.info("request %s: releasing the KV hold on %s failed: %s", hold.request_id, hold.prefill_address, exc)
+
+    async def drain(self) -> None:
+        """Waits for pending hold releases (called at shutdown)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

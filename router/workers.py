@@ -1,0 +1,196 @@
+"""One tier's workers as the router knows them: discovery (host:port or DNS names re-resolved over time),
+health (standard gRPC health Check) and load (GetLoad), plus one channel per worker."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Iterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto.pdserve.v1 import common_pb2
+from router.config import WorkerSpec, format_address
+from router.policy import WorkerView
+from shared import convert
+
+logger = logging.getLogger(__name__)
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+async def resolve_dns(host: str, port: int) -> list[str]:
+    """Every address a name resolves to, as host:port strings (sorted, deduplicated)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({format_address(info[4][0], port) for info in infos})
+
+
+@dataclass
+class _Worker:
+    address: str
+    channel: grpc.aio.Channel
+    stub: Any
+    health_stub: health_pb2_grpc.HealthStub
+    is_healthy: bool = False
+    load: convert.LoadReport | None = None
+    num_inflight: int = 0
+    is_retired: bool = False
+
+
+@dataclass
+class PoolSettings:
+    health_interval_s: float = 1.0
+    resolve_interval_s: float = 10.0
+    probe_timeout_s: float = 1.0
+    channel_options: Sequence[tuple[str, Any]] = field(default_factory=list)
+    interceptors: Sequence[Any] = field(default_factory=list)  # client interceptors (e.g. tracing)
+
+
+class WorkerPool:
+    """Tracks the workers of one tier. `stub_class` is the tier's generated stub (it must have GetLoad);
+    `service_name` is the name the workers report health under."""
+
+    def __init__(
+        self,
+        tier: str,
+        specs: Sequence[WorkerSpec],
+        stub_class: Callable[[grpc.aio.Channel], Any],
+        service_name: str,
+        settings: PoolSettings,
+        resolver: Resolver = resolve_dns,
+        on_poll: Callable[[], Awaitable[None]] | None = None,
+    ):
+        self.tier = tier
+        self.specs = tuple(specs)
+        self.service_name = service_name
+        self.settings = settings
+        self._stub_class = stub_class
+        self._resolver = resolver
+        self._on_poll = on_poll
+        self._workers: dict[str, _Worker] = {}
+        self._last_resolved: dict[WorkerSpec, list[str]] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Resolves and probes once (so the first request finds healthy workers), then keeps doing so."""
+        await self.resolve()
+        await self.poll()
+        self._tasks.append(asyncio.create_task(self._every(self.settings.health_interval_s, self.poll)))
+        if any(spec.is_dns for spec in self.specs):
+            self._tasks.append(asyncio.create_task(self._every(self.settings.resolve_interval_s, self.resolve)))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        workers, self._workers = list(self._workers.values()), {}
+        await asyncio.gather(*(w.channel.close() for w in workers), return_exceptions=True)
+
+    async def _every(self, interval_s: float, action: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await action()
+            except Exception:  # noqa: BLE001 - a failed round must not end the loop
+                logger.exception("%s pool: periodic %s failed", self.tier, action.__name__)
+
+    # ---- discovery ----------------------------------------------------------------------------
+    async def resolve(self) -> None:
+        """Recomputes the worker set from the specs; a failed DNS lookup keeps that name's last answer."""
+        addresses: list[str] = []
+        for spec in self.specs:
+            if not spec.is_dns:
+                found = [format_address(spec.host, spec.port)]
+            else:
+                try:
+                    found = await self._resolver(spec.host, spec.port)
+                except (OSError, socket.gaierror) as exc:
+                    found = self._last_resolved.get(spec, [])
+                    logger.warning("%s pool: cannot resolve %s (%s); keeping %s", self.tier, spec, exc, found)
+            self._last_resolved[spec] = found
+            addresses.extend(a for a in found if a not in addresses)
+        self._apply(addresses)
+
+    def _apply(self, addresses: list[str]) -> None:
+        for address in addresses:
+            if address not in self._workers:
+                channel = grpc.aio.insecure_channel(
+                    address,
+                    options=list(self.settings.channel_options),
+                    interceptors=list(self.settings.interceptors) or None,
+                )
+                self._workers[address] = _Worker(
+                    address, channel, self._stub_class(channel), health_pb2_grpc.HealthStub(channel)
+                )
+                logger.info("%s pool: added %s", self.tier, address)
+        for address in [a for a in self._workers if a not in addresses]:
+            worker = self._workers.pop(address)
+            worker.is_retired = True
+            logger.info("%s pool: removed %s", self.tier, address)
+            if worker.num_inflight == 0:
+                self._close_later(worker)
+
+    @staticmethod
+    def _close_later(worker: _Worker) -> None:
+        asyncio.get_running_loop().create_task(worker.channel.close())
+
+    # ---- health and load ----------------------------------------------------------------------
+    async def poll(self) -> None:
+        await asyncio.gather(*(self._probe(w) for w in list(self._workers.values())))
+        if self._on_poll is not None:
+            await self._on_poll()
+
+    async def _probe(self, worker: _Worker) -> None:
+        timeout = self.settings.probe_timeout_s
+        try:
+            health = await worker.health_stub.Check(
+                health_pb2.HealthCheckRequest(service=self.service_name), timeout=timeout
+            )
+            is_healthy = health.status == health_pb2.HealthCheckResponse.SERVING
+            load = None
+            if is_healthy:
+                response = await worker.stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout)
+                load = convert.load_report_from_proto(response.load)
+        except grpc.aio.AioRpcError as exc:
+            is_healthy, load = False, None
+            logger.debug("%s pool: probe of %s failed: %s", self.tier, worker.address, exc.code())
+        if worker.is_healthy != is_healthy:
+            logger.info("%s pool: %s is now %s", self.tier, worker.address, "healthy" if is_healthy else "unhealthy")
+        worker.is_healthy, worker.load = is_healthy, load
+
+    # ---- what the servicer uses ---------------------------------------------------------------
+    def views(self) -> list[WorkerView]:
+        return [WorkerView(w.address, w.is_healthy, w.load, w.num_inflight) for w in self._workers.values()]
+
+    @property
+    def has_healthy(self) -> bool:
+        return any(w.is_healthy for w in self._workers.values())
+
+    @property
+    def addresses(self) -> list[str]:
+        return list(self._workers)
+
+    def mark_unavailable(self, address: str) -> None:
+        """A call failed with UNAVAILABLE: stop picking it until a probe says it is back."""
+        worker = self._workers.get(address)
+        if worker is not None:
+            worker.is_healthy = False
+
+    @contextlib.contextmanager
+    def use(self, address: str) -> Iterator[Any]:
+        """The worker's stub, counted as in flight for the duration."""
+        worker = self._workers.get(address)
+        if worker is None:
+            raise LookupError(f"{self.tier} worker {address} is no longer known")
+        worker.num_inflight += 1
+        try:
+            yield worker.stub
+        finally:
+            worker.num_inflight -= 1
+            if worker.is_retired and worker.num_inflight == 0:
+                self._close_later(worker)

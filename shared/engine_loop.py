@@ -1,0 +1,207 @@
+"""Runs one LLMEngine on a dedicated thread and bridges it to asyncio servicers.
+
+The engine is single-threaded by design: every engine and connector call happens on the loop thread.
+Servicers submit requests and read per-request output streams; results cross threads in batches.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+# How long the loop thread naps between steps that scheduled nothing while it still has to poll
+# (KV held for a peer, pulls in flight). Short enough to keep NIXL progressing, long enough to
+# leave the other core to the pods' gRPC threads.
+DEFAULT_POLL_INTERVAL_S = 0.0005
+# Longest nap when there is nothing at all to do; new work wakes the thread at once anyway.
+IDLE_WAIT_S = 0.05
+
+
+class EngineStopped(RuntimeError):
+    """The engine loop stopped (shutdown or crash) before the request finished."""
+
+
+class RequestStream:
+    """The outputs of one request, in order, as an async iterator ending after the finished output."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def _put(self, item: Any) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self):
+        item = self._check(await self._queue.get())
+        if item is None:
+            raise StopAsyncIteration
+        return item
+
+    async def batches(self):
+        """Yield lists of every output ready at once (so a slow reader gets fewer, fuller messages)."""
+        while True:
+            batch = [self._check(await self._queue.get())]
+            while batch[-1] is not None and not self._queue.empty():
+                batch.append(self._check(self._queue.get_nowait()))
+            if batch[-1] is None:
+                batch.pop()
+                if batch:
+                    yield batch
+                return
+            yield batch
+
+    @staticmethod
+    def _check(item: Any) -> Any:
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class EngineLoop:
+    """Owns the engine thread. Create and use from one asyncio event loop."""
+
+    def __init__(self, engine, poll_interval_s: float = DEFAULT_POLL_INTERVAL_S):
+        self.engine = engine
+        self._poll_interval_s = poll_interval_s
+        self._commands: collections.deque[Callable[[], None]] = collections.deque()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.error: BaseException | None = None
+
+    # ---- asyncio side ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    def submit(self, request) -> RequestStream:
+        """Queue a request; its outputs arrive on the returned stream."""
+        if self._stopping or self.error is not None:
+            raise EngineStopped("the engine is shutting down")
+        if request.request_id in self._streams:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        stream = RequestStream(request.request_id)
+        self._streams[request.request_id] = stream
+        self._send(lambda: self.engine.add_request(request))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request if it is still in flight; its blocks are freed by the engine."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        stream._put(None)
+        self._send(lambda: self.engine.abort_request(request_id))
+
+    def call(self, fn: Callable[[Any], Any]) -> asyncio.Future:
+        """Run fn(engine) on the engine thread; resolves with its result."""
+        assert self._loop is not None, "start() first"
+        future = self._loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except BaseException as exc:  # handed to the caller, not swallowed
+                self._loop.call_soon_threadsafe(_set_exception, future, exc)
+            else:
+                self._loop.call_soon_threadsafe(_set_result, future, result)
+
+        self._send(run)
+        return future
+
+    def wake(self) -> None:
+        """Make the loop thread look for work now (e.g. a connector event arrived from another thread)."""
+        self._wakeup.set()
+
+    async def stop(self) -> None:
+        """Abort everything in flight, stop the thread and wait for it."""
+        if self._stopping:
+            return
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        self._stopping = True
+        self._wakeup.set()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def _send(self, command: Callable[[], None]) -> None:
+        self._commands.append(command)
+        self._wakeup.set()
+
+    def _deliver(self, outputs: list) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted by its caller meanwhile
+            stream._put(output)
+            if output.finished:
+                del self._streams[output.request_id]
+                stream._put(None)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream._put(EngineStopped(f"engine loop crashed: {error!r}"))
+        self._streams.clear()
+
+    # ---- engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._run_commands()
+                if self._has_work():
+                    self._step()
+                else:
+                    self._wakeup.wait(IDLE_WAIT_S)
+                    self._wakeup.clear()
+            self._run_commands()  # aborts queued by stop()
+            self._drain_aborted()
+        except BaseException as exc:  # the pod must report it, not hang its clients
+            logger.exception("engine loop crashed")
+            self.error = exc
+            self._loop.call_soon_threadsafe(self._fail_all, exc)
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            self._commands.popleft()()
+
+    def _has_work(self) -> bool:
+        return self.engine.has_unfinished_requests() or self.engine.has_pending_kv_work()
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        if outputs:
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+        elif not self._commands:
+            # Nothing computed this step (waiting on remote KV or a peer's pull): nap briefly
+            # instead of spinning a core, but wake at once for new work.
+            self._wakeup.wait(self._poll_interval_s)
+            self._wakeup.clear()
+
+    def _drain_aborted(self) -> None:
+        """Let the engine free the blocks of requests aborted at shutdown (bounded)."""
+        for _ in range(1000):
+            if not self._has_work():
+                return
+            self.engine.step()
+
+
+def _set_result(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -1,0 +1,238 @@
+"""One place for running a pdserve gRPC service: grpc.aio server with message-size limits, standard health
+(NOT_SERVING until the owner says ready), reflection, interceptors, unexpected-exception -> INTERNAL
+mapping, and graceful shutdown on SIGTERM/SIGINT.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import signal
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """How a service listens. port 0 picks a free port (read it from GrpcServer.port after start)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    grace_seconds: float = 5.0
+    max_concurrent_rpcs: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host is empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if self.grace_seconds < 0:
+            raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
+        if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs < 1:
+            raise ValueError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
+
+    @property
+    def grpc_options(self) -> list[tuple[str, Any]]:
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            # Two servers must never share a port silently (a stale pod would steal traffic).
+            ("grpc.so_reuseport", 0),
+        ]
+
+
+# ---- unexpected exceptions -> INTERNAL --------------------------------------------------------
+
+_PASS_THROUGH = (asyncio.CancelledError, grpc.aio.AbortError)
+
+
+async def _abort_internal(context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
+    logger.exception("unexpected error in %s", method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}")
+
+
+def _wrap_unary_response(behavior: Callable, method: str) -> Callable:
+    async def wrapper(request_or_iterator, context):
+        try:
+            return await behavior(request_or_iterator, context)
+        except _PASS_THROUGH:
+            raise
+        except Exception as exc:  # noqa: BLE001 - this is the one place unexpected errors are mapped
+            await _abort_internal(context, method, exc)
+
+    return wrapper
+
+
+def _wrap_stream_response(behavior: Callable, method: str) -> Callable:
+    if inspect.isasyncgenfunction(behavior):
+
+        async def generator_wrapper(request_or_iterator, context):
+            try:
+                async for response in behavior(request_or_iterator, context):
+                    yield response
+            except _PASS_THROUGH:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                await _abort_internal(context, method, exc)
+
+        return generator_wrapper
+    # A coroutine that writes with context.write() (or a sync iterator, left untouched).
+    if inspect.iscoroutinefunction(behavior):
+        return _wrap_unary_response(behavior, method)
+    return behavior
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Logs any exception a handler lets escape and ends the call with INTERNAL instead of UNKNOWN."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        kwargs = dict(
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary_response(handler.unary_unary, method), **kwargs)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(_wrap_unary_response(handler.stream_unary, method), **kwargs)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(_wrap_stream_response(handler.unary_stream, method), **kwargs)
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                _wrap_stream_response(handler.stream_stream, method), **kwargs
+            )
+        return handler
+
+
+# ---- the server -------------------------------------------------------------------------------
+
+
+class GrpcServer:
+    """Owns one grpc.aio server. Register services and interceptors, then start(); the owner calls
+    set_serving(True) when its model and KV pool are ready.
+
+    `interceptors` is the hook list: append to it before start() (e.g. telemetry); the error-mapping
+    interceptor always runs innermost, closest to the handler.
+    """
+
+    def __init__(self, options: ServerOptions, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):
+        self.options = options
+        self.interceptors: list[grpc.aio.ServerInterceptor] = list(interceptors)
+        self._registrations: list[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]] = []
+        self._health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._port: int | None = None
+        self._stop_requested = asyncio.Event()
+        self._stopped = False
+        self._on_shutdown: list[Callable[[], Any]] = []
+
+    def add_service(self, add_to_server: Callable[[Any, grpc.aio.Server], None], servicer: Any, service_name: str) -> None:
+        """Registers e.g. (generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer, "pdserve.v1.GenerateService")."""
+        if self._server is not None:
+            raise RuntimeError("add_service must be called before start()")
+        self._registrations.append((add_to_server, servicer, service_name))
+
+    def on_shutdown(self, callback: Callable[[], Any]) -> None:
+        """Runs (awaited if a coroutine) after health flips to NOT_SERVING and before the server stops."""
+        self._on_shutdown.append(callback)
+
+    @property
+    def service_names(self) -> list[str]:
+        return [name for _, _, name in self._registrations]
+
+    @property
+    def is_started(self) -> bool:
+        return self._server is not None
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("server not started")
+        return self._port
+
+    @property
+    def address(self) -> str:
+        return f"{self.options.host}:{self.port}"
+
+    async def start(self) -> int:
+        """Binds and starts serving RPCs (health reports NOT_SERVING); returns the bound port."""
+        if self._server is not None:
+            raise RuntimeError("server already started")
+        server = grpc.aio.server(
+            interceptors=[*self.interceptors, ErrorMappingInterceptor()],
+            options=self.options.grpc_options,
+            maximum_concurrent_rpcs=self.options.max_concurrent_rpcs,
+        )
+        for add_to_server, servicer, _ in self._registrations:
+            add_to_server(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        )
+        try:
+            port = server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+        except RuntimeError as exc:
+            raise OSError(f"cannot bind {self.options.host}:{self.options.port}: {exc}") from None
+        if port == 0:
+            raise OSError(f"cannot bind {self.options.host}:{self.options.port}")
+        await self.set_serving(False)
+        await server.start()
+        self._server, self._port = server, port
+        logger.info("gRPC server listening on %s:%d (%s)", self.options.host, port, ", ".join(self.service_names))
+        return port
+
+    async def set_serving(self, is_serving: bool) -> None:
+        """Flips the overall and per-service health status (ignored once shutdown began)."""
+        status = health_pb2.HealthCheckResponse.SERVING if is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.service_names]:
+            await self._health.set(name, status)
+
+    def request_stop(self) -> None:
+        """Asks serve_forever() to shut down gracefully (safe from a signal handler)."""
+        self._stop_requested.set()
+
+    def install_signal_handlers(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        loop = loop or asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.request_stop)
+
+    async def stop(self, grace_seconds: float | None = None) -> None:
+        """Graceful shutdown: NOT_SERVING first (so balancers drain), owner callbacks, then let
+        in-flight RPCs finish for up to the grace period."""
+        if self._stopped or self._server is None:
+            return
+        self._stopped = True
+        await self._health.enter_graceful_shutdown()
+        for callback in self._on_shutdown:
+            try:
+                result = callback()
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:  # noqa: BLE001 - shutdown must go on
+                logger.exception("shutdown callback failed")
+        grace = self.options.grace_seconds if grace_seconds is None else grace_seconds
+        await self._server.stop(grace)
+        self._stop_requested.set()
+
+    async def serve_forever(self, *, handle_signals: bool = True) -> None:
+        """Waits until SIGTERM/SIGINT (or request_stop()), then stops gracefully."""
+        if not self.is_started:
+            await self.start()
+        if handle_signals:
+            self.install_signal_handlers()
+        await self._stop_requested.wait()
+        await self.stop()

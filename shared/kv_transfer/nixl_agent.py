@@ -1,0 +1,488 @@
+"""The NIXL data plane for the KV handoff: one agent per engine, its registered KV pool, block READs.
+
+This module moves bytes only; who holds which blocks and when they are confirmed is the connector's job.
+
+How the services use it (DESIGN.md section 3):
+
+Prefill pod (the side being read from), once at start-up::
+
+    agent = KvTransferAgent(KvTransferAgent.unique_name("prefill"))
+    source = agent.register_kv_caches(kv_tensors)   # every layer's K and V, same shape each
+    # GetKvSource answers with source: agent_name, agent_metadata, mem_type, regions,
+    # block_bytes, num_blocks (KvSource is plain data; map it to proto in convert.py).
+
+  and in every engine-loop iteration while it holds blocks for a peer::
+
+    for peer_name, messages in agent.get_notifs().items():
+        ...  # each message is the request id (bytes) of a READ that peer completed
+
+  With the progress thread off, UCX advances only inside calls into the agent: a side that is read
+  from and never calls get_notifs()/progress() can stall the READ. Call it every step, cheaply.
+
+Decode pod (the side that reads), once per prefill engine (cache by agent name)::
+
+    agent = KvTransferAgent(KvTransferAgent.unique_name("decode"))
+    agent.register_kv_caches(kv_tensors)
+    if not agent.has_peer(source.agent_name):
+        agent.add_peer(source)             # raises KvLayoutMismatchError if pools differ
+
+  per request, for the blocks that are not in its own prefix cache::
+
+    transfer = agent.read_blocks(source.agent_name, remote_block_ids, local_block_ids,
+                                 notif_msg=request_id.encode())
+    ...  # each engine step:
+    state = agent.poll(transfer)          # TransferState.DONE / PENDING / ERROR, never blocks
+    if state is not TransferState.PENDING:
+        agent.release(transfer)           # then ReleaseKv to prefill on DONE; recompute/fail on ERROR
+    # transfer.num_bytes, transfer.num_blocks, transfer.seconds, transfer.gb_per_s feed spans/metrics.
+
+  A PENDING transfer that is abandoned (deadline) must be released with release(); if that returns
+  False NIXL could not cancel it, so the local blocks may still be written: keep them, retry later.
+
+Memory: tensors may be CPU (registered as "DRAM") or CUDA ("VRAM", with the tensor's device index).
+Every tensor is [num_blocks, ...] and contiguous, so block b of a tensor is the byte range
+[b * block_bytes, (b + 1) * block_bytes) from its base address. For a CPU pool, allocate it on
+transparent huge pages (THP_MEM_ALLOC_ENABLE=1 in the environment before torch is imported, set by
+the composition root or the pod spec): it makes the READs markedly faster.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from shared.kv_transfer.block_runs import BlockRun, coalesce_block_runs
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+_MEM_TYPES = ("DRAM", "VRAM")
+
+
+class KvTransferError(RuntimeError):
+    """NIXL refused or failed an operation (peer gone, memory not registered, backend error)."""
+
+
+class UnknownPeerError(KvTransferError):
+    """The peer was never added, or was removed."""
+
+
+class KvLayoutMismatchError(ValueError):
+    """A peer's KV pool cannot exchange blocks with ours (tensor count or block size differ)."""
+
+
+class TransferState(str, enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class KvRegion:
+    """One registered KV tensor: where it lives and how many bytes it spans."""
+
+    base_address: int
+    num_bytes: int
+    device_id: int
+
+
+@dataclass(frozen=True)
+class KvSource:
+    """What a reader needs to pull blocks from an agent: its NIXL metadata and its pool's layout.
+
+    regions are in the registering side's tensor order (layer 0 K, layer 0 V, layer 1 K, ...);
+    a reader's tensors must come in the same order. block_bytes is per tensor per block.
+    """
+
+    agent_name: str
+    agent_metadata: bytes
+    mem_type: str
+    regions: tuple[KvRegion, ...]
+    block_bytes: int
+    num_blocks: int
+
+    @property
+    def bytes_per_block_all_layers(self) -> int:
+        return self.block_bytes * len(self.regions)
+
+
+@dataclass
+class KvTransfer:
+    """One posted READ: its accounting, and the NIXL handle until release()."""
+
+    peer_name: str
+    notif_msg: bytes
+    num_blocks: int
+    num_runs: int
+    num_descriptors: int
+    num_bytes: int
+    started_at: float  # time.monotonic()
+    finished_at: float | None = None
+    state: TransferState = TransferState.PENDING
+    error: str | None = None
+    handle: Any = field(default=None, repr=False)
+
+    @property
+    def is_released(self) -> bool:
+        return self.handle is None
+
+    @property
+    def seconds(self) -> float | None:
+        """Wall time from read_blocks() to the poll() that saw it finish; None while pending."""
+        if self.finished_at is None:
+            return None
+        return self.finished_at - self.started_at
+
+    @property
+    def gb_per_s(self) -> float | None:
+        seconds = self.seconds
+        if seconds is None or self.state is not TransferState.DONE or seconds <= 0:
+            return None
+        return self.num_bytes / seconds / 1e9
+
+
+@dataclass(frozen=True)
+class _Pool:
+    """Layout of a KV pool, local or a peer's."""
+
+    mem_type: str
+    regions: tuple[KvRegion, ...]
+    block_bytes: int
+    num_blocks: int
+
+
+def _nixl_api():
+    # Imported lazily so that importing this module stays cheap and torch-free.
+    from nixl_cu12 import nixl_agent, nixl_agent_config
+
+    return nixl_agent, nixl_agent_config
+
+
+class KvTransferAgent:
+    """A NIXL agent (UCX backend, no progress thread) owning one registered KV pool."""
+
+    @staticmethod
+    def unique_name(prefix: str) -> str:
+        """A name no other agent will have, even across restarts: prefix + random suffix."""
+        return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)):
+        if not name:
+            raise ValueError("agent name must be a non-empty string")
+        nixl_agent, nixl_agent_config = _nixl_api()
+        # The progress thread stays off: on a small machine it competes with the engine for CPU;
+        # progress is driven from the engine loop instead (poll/progress/get_notifs).
+        config = nixl_agent_config(enable_prog_thread=False, backends=list(backends))
+        self.name = name
+        self._agent = nixl_agent(name, config)
+        missing = [backend for backend in backends if backend not in self._agent.backends]
+        if missing:
+            raise KvTransferError(f"NIXL backend(s) {missing} are not available to agent {name!r}")
+        self._pool: _Pool | None = None
+        self._reg_descs = None
+        self._peers: dict[str, KvSource] = {}
+        self._open_transfers: list[KvTransfer] = []
+        self._notifs: dict[str, list[bytes]] = {}
+        self.num_bytes_read = 0
+        self.num_transfers = 0
+        self._is_closed = False
+
+    # ---- local pool ----------------------------------------------------------------------
+    def register_kv_caches(self, kv_tensors: Sequence["torch.Tensor"]) -> KvSource:
+        """Register every KV tensor once (same shape, dtype and device each) and describe the pool."""
+        self._check_open()
+        if self._pool is not None:
+            raise ValueError(f"agent {self.name!r} already registered its KV pool")
+        pool = _describe_pool(kv_tensors)
+        descs = [(region.base_address, region.num_bytes, region.device_id, "") for region in pool.regions]
+        try:
+            self._reg_descs = self._agent.register_memory(descs, pool.mem_type)
+        except Exception as exc:  # NIXL raises its own exception types; surface one of ours
+            raise KvTransferError(f"registering {len(descs)} KV tensors failed: {exc!r}") from exc
+        self._pool = pool
+        return self.kv_source()
+
+    def kv_source(self) -> KvSource:
+        """This agent's metadata and pool layout, as a GetKvSource answer carries them."""
+        pool = self._require_pool()
+        return KvSource(
+            agent_name=self.name,
+            agent_metadata=self._agent.get_agent_metadata(),
+            mem_type=pool.mem_type,
+            regions=pool.regions,
+            block_bytes=pool.block_bytes,
+            num_blocks=pool.num_blocks,
+        )
+
+    # ---- peers ---------------------------------------------------------------------------
+    def has_peer(self, peer_name: str) -> bool:
+        return peer_name in self._peers
+
+    def add_peer(self, source: KvSource) -> None:
+        """Load a peer's metadata so blocks can be read from it; a repeat with the same metadata is free."""
+        self._check_open()
+        pool = self._require_pool()
+        _check_compatible(pool, source)
+        cached = self._peers.get(source.agent_name)
+        if cached is not None:
+            if cached.agent_metadata == source.agent_metadata and cached.regions == source.regions:
+                return
+            self.remove_peer(source.agent_name)
+        try:
+            loaded_name = self._agent.add_remote_agent(source.agent_metadata)
+        except Exception as exc:
+            raise KvTransferError(f"loading metadata of peer {source.agent_name!r} failed: {exc!r}") from exc
+        if isinstance(loaded_name, bytes):
+            loaded_name = loaded_name.decode()
+        if loaded_name != source.agent_name:
+            self._agent.remove_remote_agent(loaded_name)
+            raise ValueError(f"metadata belongs to agent {loaded_name!r}, not {source.agent_name!r}")
+        self._peers[source.agent_name] = source
+
+    def remove_peer(self, peer_name: str) -> None:
+        """Forget a peer (restarted or gone) and drop the connection to it."""
+        if self._peers.pop(peer_name, None) is None:
+            return
+        try:
+            self._agent.remove_remote_agent(peer_name)
+        except Exception:
+            logger.warning("removing NIXL peer %s failed", peer_name, exc_info=True)
+
+    # ---- reading -------------------------------------------------------------------------
+    def read_blocks(
+        self,
+        peer_name: str,
+        remote_block_ids: Sequence[int],
+        local_block_ids: Sequence[int],
+        notif_msg: bytes,
+    ) -> KvTransfer:
+        """Post one READ of the peer's blocks into ours, all layers, contiguous runs merged.
+
+        The peer receives notif_msg once the READ completes. Returns at once; poll() the transfer.
+        """
+        self._check_open()
+        pool = self._require_pool()
+        source = self._peers.get(peer_name)
+        if source is None:
+            raise UnknownPeerError(f"no NIXL peer named {peer_name!r}; add_peer() it first")
+        if not remote_block_ids:
+            raise ValueError("read_blocks needs at least one block id")
+        _check_block_ids("remote", remote_block_ids, source.num_blocks)
+        _check_block_ids("local", local_block_ids, pool.num_blocks)
+        runs = coalesce_block_runs(remote_block_ids, local_block_ids)
+        local_descs = _run_descs(pool.regions, pool.block_bytes, runs, remote=False)
+        remote_descs = _run_descs(source.regions, source.block_bytes, runs, remote=True)
+        transfer = KvTransfer(
+            peer_name=peer_name,
+            notif_msg=bytes(notif_msg),
+            num_blocks=len(local_block_ids),
+            num_runs=len(runs),
+            num_descriptors=len(local_descs),
+            num_bytes=int(local_descs[:, 1].sum()),
+            started_at=time.monotonic(),
+        )
+        transfer.handle = self._post_read(transfer, pool.mem_type, local_descs, source.mem_type, remote_descs)
+        self._open_transfers.append(transfer)
+        self.num_transfers += 1
+        return transfer
+
+    def _post_read(self, transfer: KvTransfer, local_mem: str, local_descs, remote_mem: str, remote_descs):
+        handle = None
+        try:
+            handle = self._agent.initialize_xfer(
+                "READ",
+                self._agent.get_xfer_descs(local_descs, local_mem),
+                self._agent.get_xfer_descs(remote_descs, remote_mem),
+                transfer.peer_name,
+                transfer.notif_msg,
+            )
+            status = self._agent.transfer(handle)
+        except Exception as exc:
+            if handle is not None:
+                _release_quietly(handle)
+            raise KvTransferError(
+                f"posting READ of {transfer.num_blocks} blocks from {transfer.peer_name!r} failed: {exc!r}"
+            ) from exc
+        if status == "ERR":
+            _release_quietly(handle)
+            raise KvTransferError(f"NIXL rejected the READ of {transfer.num_blocks} blocks from {transfer.peer_name!r}")
+        if status == "DONE":
+            self._finish(transfer, TransferState.DONE)
+        return handle
+
+    def poll(self, transfer: KvTransfer) -> TransferState:
+        """Advance UCX and report the transfer's state without blocking."""
+        if transfer.state is not TransferState.PENDING or transfer.is_released:
+            return transfer.state
+        try:
+            status = self._agent.check_xfer_state(transfer.handle)
+        except Exception as exc:
+            self._finish(transfer, TransferState.ERROR, f"{exc!r}")
+            return transfer.state
+        if status == "DONE":
+            self._finish(transfer, TransferState.DONE)
+        elif status != "PROC":
+            self._finish(transfer, TransferState.ERROR, f"NIXL transfer state {status}")
+        return transfer.state
+
+    def wait(self, transfer: KvTransfer, timeout_s: float) -> TransferState:
+        """Poll until the transfer finishes; for tests and tools, an engine loop uses poll()."""
+        deadline = time.monotonic() + timeout_s
+        while self.poll(transfer) is TransferState.PENDING:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"READ from {transfer.peer_name!r} still pending after {timeout_s} s")
+        return transfer.state
+
+    def release(self, transfer: KvTransfer) -> bool:
+        """Free the NIXL handle; a pending READ is cancelled. False if NIXL could not cancel it yet."""
+        if transfer.is_released:
+            return True
+        try:
+            transfer.handle.release()
+        except Exception:
+            logger.warning("releasing READ from %s failed; still in flight", transfer.peer_name, exc_info=True)
+            return False
+        if transfer.state is TransferState.PENDING:
+            self._finish(transfer, TransferState.ERROR, "released while pending")
+        transfer.handle = None
+        self._open_transfers.remove(transfer)
+        return True
+
+    def _finish(self, transfer: KvTransfer, state: TransferState, error: str | None = None) -> None:
+        transfer.state = state
+        transfer.error = error
+        transfer.finished_at = time.monotonic()
+        if state is TransferState.DONE:
+            self.num_bytes_read += transfer.num_bytes
+
+    # ---- serving side --------------------------------------------------------------------
+    def progress(self) -> None:
+        """Let UCX advance (it only does inside calls into the agent); keeps notifications for get_notifs()."""
+        if self._is_closed:
+            return
+        for peer_name, messages in self._agent.get_new_notifs().items():
+            self._notifs.setdefault(peer_name, []).extend(messages)
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        """Notifications received since the last call, by peer name: each is a completed READ's notif_msg."""
+        self.progress()
+        notifs, self._notifs = self._notifs, {}
+        return notifs
+
+    def send_notif(self, peer_name: str, message: bytes) -> None:
+        """A standalone message to a peer (not bound to a transfer)."""
+        if peer_name not in self._peers:
+            raise UnknownPeerError(f"no NIXL peer named {peer_name!r}")
+        try:
+            self._agent.send_notif(peer_name, bytes(message))
+        except Exception as exc:
+            raise KvTransferError(f"notifying {peer_name!r} failed: {exc!r}") from exc
+
+    # ---- teardown ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Cancel open transfers, drop peers, deregister the pool. Safe to call twice."""
+        if self._is_closed:
+            return
+        for transfer in list(self._open_transfers):
+            self.release(transfer)
+        for peer_name in list(self._peers):
+            self.remove_peer(peer_name)
+        if self._reg_descs is not None:
+            try:
+                self._agent.deregister_memory(self._reg_descs)
+            except Exception:
+                logger.warning("deregistering the KV pool of %s failed", self.name, exc_info=True)
+            self._reg_descs = None
+        self._is_closed = True
+
+    def __enter__(self) -> "KvTransferAgent":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._is_closed:
+            raise KvTransferError(f"agent {self.name!r} is closed")
+
+    def _require_pool(self) -> _Pool:
+        if self._pool is None:
+            raise KvTransferError(f"agent {self.name!r} has no registered KV pool; call register_kv_caches()")
+        return self._pool
+
+
+def _describe_pool(kv_tensors: Sequence["torch.Tensor"]) -> _Pool:
+    if not kv_tensors:
+        raise ValueError("kv_tensors is empty")
+    first = kv_tensors[0]
+    for index, tensor in enumerate(kv_tensors):
+        if tensor.shape != first.shape or tensor.dtype != first.dtype or tensor.device != first.device:
+            raise ValueError(
+                f"kv_tensors[{index}] is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}, "
+                f"kv_tensors[0] is {tuple(first.shape)} {first.dtype} on {first.device}"
+            )
+        if not tensor.is_contiguous():
+            raise ValueError(f"kv_tensors[{index}] is not contiguous")
+    if first.dim() < 1 or first.shape[0] == 0 or first.numel() == 0:
+        raise ValueError(f"kv tensors must be [num_blocks, ...] with num_blocks > 0, got {tuple(first.shape)}")
+    if first.device.type == "cpu":
+        mem_type, device_id = "DRAM", 0
+    elif first.device.type == "cuda":
+        mem_type, device_id = "VRAM", first.device.index or 0
+    else:
+        raise ValueError(f"kv tensors on {first.device} cannot be registered with NIXL (cpu or cuda only)")
+    num_bytes = first.numel() * first.element_size()
+    regions = tuple(KvRegion(tensor.data_ptr(), num_bytes, device_id) for tensor in kv_tensors)
+    return _Pool(mem_type, regions, num_bytes // first.shape[0], first.shape[0])
+
+
+def _check_compatible(pool: _Pool, source: KvSource) -> None:
+    if source.mem_type not in _MEM_TYPES:
+        raise ValueError(f"peer {source.agent_name!r} has unknown memory type {source.mem_type!r}")
+    if len(source.regions) != len(pool.regions):
+        raise KvLayoutMismatchError(
+            f"peer {source.agent_name!r} has {len(source.regions)} KV tensors, this pool has {len(pool.regions)}"
+        )
+    if source.block_bytes != pool.block_bytes:
+        raise KvLayoutMismatchError(
+            f"peer {source.agent_name!r} has {source.block_bytes} bytes per block, this pool has {pool.block_bytes}"
+        )
+    for region in source.regions:
+        if region.num_bytes < source.num_blocks * source.block_bytes:
+            raise ValueError(f"peer {source.agent_name!r} region {region} is smaller than its {source.num_blocks} blocks")
+
+
+def _check_block_ids(side: str, block_ids: Sequence[int], num_blocks: int) -> None:
+    bad = [block_id for block_id in block_ids if not 0 <= block_id < num_blocks]
+    if bad:
+        raise ValueError(f"{side} block ids {bad[:8]} are outside 0..{num_blocks - 1}")
+
+
+def _run_descs(regions: Sequence[KvRegion], block_bytes: int, runs: Sequence[BlockRun], *, remote: bool) -> np.ndarray:
+    """(address, length, device id) rows: for each tensor, one row per run."""
+    starts = np.fromiter(
+        (run.remote_start if remote else run.local_start for run in runs), dtype=np.uint64, count=len(runs)
+    )
+    lengths = np.fromiter((run.num_blocks for run in runs), dtype=np.uint64, count=len(runs)) * np.uint64(block_bytes)
+    offsets = starts * np.uint64(block_bytes)
+    descs = np.empty((len(regions) * len(runs), 3), dtype=np.uint64)
+    for index, region in enumerate(regions):
+        rows = slice(index * len(runs), (index + 1) * len(runs))
+        descs[rows, 0] = np.uint64(region.base_address) + offsets
+        descs[rows, 1] = lengths
+        descs[rows, 2] = region.device_id
+    return descs
+
+
+def _release_quietly(handle) -> None:
+    try:
+        handle.release()
+    except Exception:
+        logger.warning("releasing a failed NIXL transfer handle failed", exc_info=True)

@@ -1,0 +1,127 @@
+"""Prometheus metrics for pdserve services: one CollectorRegistry per service (never the global
+default, so several services can live in one test process) and a stoppable HTTP endpoint."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import start_wsgi_server
+
+NAMESPACE = "pdserve"
+# Every label value `requests_total{outcome=...}` may take; fixed so a bug cannot explode the
+# series count, and pre-created so a scrape shows zeros before the first request.
+OUTCOMES = (
+    "ok",  # finished normally (stop, length, EOS)
+    "error",  # failed inside the service (INTERNAL, UNAVAILABLE, transfer failure without fallback)
+    "cancelled",  # the caller went away or cancelled
+    "invalid",  # INVALID_ARGUMENT
+    "overloaded",  # RESOURCE_EXHAUSTED
+    "deadline_exceeded",  # a phase or the caller's deadline ran out
+)
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class ServiceMetrics:
+    """The metrics one service exports. Create one per service; every metric lives in
+    `self.registry`. Names carry the `pdserve_` prefix (counters gain `_total` on export)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.ttft_seconds = Histogram(
+            "ttft_seconds", "Time to first token, request arrival to first token sent.",
+            namespace=NAMESPACE, buckets=TTFT_BUCKETS_S, registry=r,
+        )
+        self.tpot_seconds = Histogram(
+            "tpot_seconds", "Time per output token after the first, per request (mean).",
+            namespace=NAMESPACE, buckets=TPOT_BUCKETS_S, registry=r,
+        )
+        self.queue_depth = Gauge(
+            "queue_depth", "Requests waiting to be scheduled.", namespace=NAMESPACE, registry=r,
+        )
+        self.running_requests = Gauge(
+            "running_requests", "Requests being computed.", namespace=NAMESPACE, registry=r,
+        )
+        self.kv_blocks_used = Gauge(
+            "kv_blocks_used", "KV cache blocks in use.", namespace=NAMESPACE, registry=r,
+        )
+        self.kv_blocks_free = Gauge(
+            "kv_blocks_free", "KV cache blocks free.", namespace=NAMESPACE, registry=r,
+        )
+        self.kv_blocks_held_for_peer = Gauge(
+            "kv_blocks_held_for_peer", "KV blocks held under a lease until a peer pulls them.",
+            namespace=NAMESPACE, registry=r,
+        )
+        self.kv_transfer_bytes = Counter(
+            "kv_transfer_bytes", "KV bytes transferred between pods.",
+            namespace=NAMESPACE, registry=r,
+        )
+        self.kv_transfer_seconds = Counter(
+            "kv_transfer_seconds", "Wall time spent on KV transfers.",
+            namespace=NAMESPACE, registry=r,
+        )
+        self.lease_expiries = Counter(
+            "lease_expiries", "KV holds freed because their lease expired before release.",
+            namespace=NAMESPACE, registry=r,
+        )
+        self.requests = Counter(
+            "requests", "Finished requests by outcome.", ["outcome"],
+            namespace=NAMESPACE, registry=r,
+        )
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome=outcome)
+
+    def record_outcome(self, outcome: str) -> None:
+        if outcome not in OUTCOMES:
+            raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
+        self.requests.labels(outcome=outcome).inc()
+
+    def record_transfer(self, num_bytes: int, seconds: float) -> None:
+        if num_bytes < 0 or seconds < 0:
+            raise ValueError(f"transfer bytes and seconds must be >= 0, got {num_bytes}, {seconds}")
+        self.kv_transfer_bytes.inc(num_bytes)
+        self.kv_transfer_seconds.inc(seconds)
+
+    def set_kv_blocks(self, *, num_used: int, num_free: int, num_held_for_peer: int) -> None:
+        self.kv_blocks_used.set(num_used)
+        self.kv_blocks_free.set(num_free)
+        self.kv_blocks_held_for_peer.set(num_held_for_peer)
+
+    def set_queue(self, *, num_waiting: int, num_running: int) -> None:
+        self.queue_depth.set(num_waiting)
+        self.running_requests.set(num_running)
+
+
+@dataclass
+class MetricsServer:
+    """A running /metrics HTTP endpoint; `port` is the bound port (useful with port 0)."""
+
+    host: str
+    port: int
+    _server: WSGIServer
+    _thread: threading.Thread
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop serving and release the port. Safe to call twice."""
+        if not self._thread.is_alive():
+            return
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout_s)
+
+
+def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
+    """Serve `registry` at http://host:port/metrics on a daemon thread. Port 0 picks a free one."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"metrics port must be in [0, 65535], got {port}")
+    server, thread = start_wsgi_server(port, addr=host, registry=registry)
+    return MetricsServer(host=host, port=server.server_port, _server=server, _thread=thread)

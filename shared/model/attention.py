@@ -1,0 +1,101 @@
+"""Paged attention over a block-table-indexed KV cache, for a mixed batch of prefill chunks and decodes.
+
+Per layer the cache holds K and V as [num_blocks, block_size, num_kv_heads, head_dim]; token t of a
+request lives in block block_table[t // block_size] at offset t % block_size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SequenceSpan:
+    """One request with more than one query token this step (a prefill chunk or a decode plus drafts)."""
+
+    query_start: int  # first row of this request in the flattened batch
+    query_len: int
+    context_len: int  # tokens whose KV the queries see: computed before this step + query_len
+    block_ids: torch.Tensor  # long [num_blocks_needed]: the blocks holding those context tokens
+
+
+@dataclass
+class AttentionMetadata:
+    """How the flattened token batch maps onto requests and cache slots for one forward pass.
+
+    Single-token requests (plain decodes) come first in the batch, rows [0, num_decode_tokens), and
+    are served by one batched attention; longer spans follow, one attention call per span.
+    """
+
+    slot_mapping: torch.Tensor  # long [num_tokens]: flat cache slot each new token's KV goes to
+    num_decode_tokens: int
+    decode_block_table: torch.Tensor | None  # long [num_decodes, max_blocks], padded with block 0
+    decode_context_lens: torch.Tensor | None  # long [num_decodes]
+    decode_key_mask: torch.Tensor | None  # bool [num_decodes, 1, 1, max_blocks * block_size]
+    spans: list[SequenceSpan]
+
+
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K and V rows into their slots; a block is [block_size, kv_heads, head_dim]."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """query [T, H, D], key/value [T, KVH, D] (already written to the cache) -> output [T, H, D]."""
+    output = torch.empty_like(query)
+    num_decode = meta.num_decode_tokens
+    if num_decode:
+        output[:num_decode] = _decode_attention(query[:num_decode], key_cache, value_cache, meta, scale)
+    for span in meta.spans:
+        rows = slice(span.query_start, span.query_start + span.query_len)
+        output[rows] = _span_attention(query[rows], key[rows], value[rows], key_cache, value_cache, span, scale)
+    return output
+
+
+def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    # Gather each request's blocks into [B, KVH, S, D]; keys past the context length are masked.
+    keys = key_cache[meta.decode_block_table].flatten(1, 2).transpose(1, 2)
+    values = value_cache[meta.decode_block_table].flatten(1, 2).transpose(1, 2)
+    # Grouped-query attention as a batched matmul: the heads sharing a KV head ride along one matmul.
+    q = query.view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q, keys.transpose(2, 3)) * scale
+    scores.masked_fill_(meta.decode_key_mask.view(num_seqs, 1, 1, -1).logical_not(), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(probs, values)
+    return out.view(num_seqs, num_heads, head_dim)
+
+
+def _span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    span: SequenceSpan, scale: float) -> torch.Tensor:
+    query_len, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    num_past = span.context_len - query_len
+    q = query.transpose(0, 1).unsqueeze(0)
+    if num_past == 0:
+        # A fresh prompt chunk sees only itself: plain causal attention on this step's K and V.
+        k = key.transpose(0, 1).unsqueeze(0)
+        v = value.transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # Earlier chunks or prefix-cache hits: read the whole context back from the cache blocks.
+        k = key_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[: span.context_len]
+        v = value_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[: span.context_len]
+        k = k.transpose(0, 1).unsqueeze(0)
+        v = v.transpose(0, 1).unsqueeze(0)
+        # Query i sits at position num_past + i and may see keys 0..num_past + i (bottom-right causal).
+        query_pos = torch.arange(num_past, span.context_len).unsqueeze(1)
+        mask = torch.arange(span.context_len).unsqueeze(0) <= query_pos
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)

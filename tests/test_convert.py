@@ -1,0 +1,157 @@
+"""shared.convert round-trips domain values through proto and rejects bad input with precise messages."""
+import pytest
+
+from proto.pdserve.v1 import common_pb2, decode_pb2, generate_pb2, prefill_pb2
+from shared import convert
+from shared.request import FinishReason, SamplingParams
+
+LAYOUT = convert.KvLayout("tiny", "float32", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+
+
+def make_handle(num_tokens=10, block_ids=(7, 3, 9)):
+    return convert.KvHandle("eng-1", "127.0.0.1:5000", block_ids, num_tokens, 4, LAYOUT, 1_700_000_000_000)
+
+
+def test_sampling_params_round_trip():
+    params = SamplingParams(max_tokens=33, ignore_eos=True, stop_token_ids=[5, 6], temperature=0.7,
+                            top_k=40, top_p=0.9, seed=2**62, prompt_logprobs=3)
+    assert convert.sampling_params_from_proto(convert.sampling_params_to_proto(params)) == params
+
+
+def test_sampling_params_defaults_when_unset():
+    assert convert.sampling_params_from_proto(common_pb2.SamplingParams()) == SamplingParams()
+    assert convert.sampling_params_from_proto(None) == SamplingParams()
+    defaults = SamplingParams()
+    message = convert.sampling_params_to_proto(defaults)
+    assert message.HasField("max_tokens") and not message.HasField("seed")
+
+
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("nan")}, "NaN"),
+        ({"temperature": 1e9}, "temperature"),
+        ({"seed": 2**63}, "seed"),
+        ({"prompt_logprobs": 1000}, "prompt_logprobs"),
+    ],
+)
+def test_bad_sampling_params_are_rejected(fields, needle):
+    with pytest.raises(ValueError, match=needle):
+        convert.sampling_params_from_proto(common_pb2.SamplingParams(**fields))
+
+
+def test_finish_reason_mapping_is_total_and_inverse():
+    assert convert.finish_reason_to_proto(None) == common_pb2.FINISH_REASON_UNSPECIFIED
+    assert convert.finish_reason_from_proto(common_pb2.FINISH_REASON_UNSPECIFIED) is None
+    for reason in FinishReason:
+        assert convert.finish_reason_from_proto(convert.finish_reason_to_proto(reason)) is reason
+    with pytest.raises(ValueError, match="unknown finish_reason"):
+        convert.finish_reason_from_proto(99)
+
+
+def test_kv_handle_round_trip_and_validation():
+    handle = make_handle()
+    assert convert.kv_handle_from_proto(convert.kv_handle_to_proto(handle)) == handle
+    with pytest.raises(ValueError, match="need 3"):
+        convert.kv_handle_to_proto(make_handle(block_ids=(1, 2)))
+    message = convert.kv_handle_to_proto(handle)
+    message.engine_id = ""
+    with pytest.raises(ValueError, match="engine_id"):
+        convert.kv_handle_from_proto(message)
+    message = convert.kv_handle_to_proto(handle)
+    message.block_size = 8
+    with pytest.raises(ValueError, match="differs from handle.layout.block_size"):
+        convert.kv_handle_from_proto(message)
+    message = convert.kv_handle_to_proto(handle)
+    message.ClearField("layout")
+    with pytest.raises(ValueError, match="layout is missing"):
+        convert.kv_handle_from_proto(message)
+
+
+def test_kv_source_round_trip_and_region_checks():
+    regions = [convert.MemoryRegion(0x1000 * (i + 1), 4096, 0) for i in range(4)]
+    source = convert.KvSource("eng-1", "agent-a", b"\x00meta", LAYOUT, regions, 256, 16, "DRAM")
+    assert convert.kv_source_from_proto(convert.kv_source_to_proto(source)) == source
+    message = convert.kv_source_to_proto(source)
+    del message.regions[-1]
+    with pytest.raises(ValueError, match="expected 2 per layer"):
+        convert.kv_source_from_proto(message)
+    message = convert.kv_source_to_proto(source)
+    message.num_blocks = 17
+    with pytest.raises(ValueError, match="smaller than"):
+        convert.kv_source_from_proto(message)
+    with pytest.raises(ValueError, match="memory_kind"):
+        convert.kv_source_to_proto(convert.KvSource("e", "a", b"", LAYOUT, regions, 256, 16, "GPU"))
+
+
+def test_load_and_pull_stats_round_trip():
+    load = convert.LoadReport(1, 2, 30, 64, 4, True)
+    assert convert.load_report_from_proto(convert.load_report_to_proto(load)) == load
+    stats = convert.KvPullStats(4096, 3, 1, 0.25, convert.KvPullOutcome.PULLED)
+    assert convert.kv_pull_stats_from_proto(convert.kv_pull_stats_to_proto(stats)) == stats
+    for outcome in convert.KvPullOutcome:
+        s = convert.KvPullStats(0, 0, 0, 0.0, outcome)
+        assert convert.kv_pull_stats_from_proto(convert.kv_pull_stats_to_proto(s)).outcome is outcome
+
+
+def test_prefill_payloads():
+    params = SamplingParams(max_tokens=4)
+    message = convert.prefill_request_to_proto("r1", [1, 2, 3], params)
+    parsed = convert.prefill_request_from_proto(message, vocab_size=10)
+    assert (parsed.request_id, parsed.prompt_token_ids, parsed.sampling) == ("r1", [1, 2, 3], params)
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[2\] = 3 is out of vocabulary"):
+        convert.prefill_request_from_proto(message, vocab_size=3)
+    with pytest.raises(ValueError, match="prompt_token_ids is empty"):
+        convert.prefill_request_from_proto(prefill_pb2.PrefillRequest(request_id="r"))
+    with pytest.raises(ValueError, match="request_id is empty"):
+        convert.prefill_request_from_proto(prefill_pb2.PrefillRequest(prompt_token_ids=[1]))
+
+    with_handle = convert.PrefillResult(5, 10, handle=make_handle())
+    assert convert.prefill_result_from_proto(convert.prefill_result_to_proto(with_handle)) == with_handle
+    finished = convert.PrefillResult(5, 10, finish_reason=FinishReason.STOP)
+    assert convert.prefill_result_from_proto(convert.prefill_result_to_proto(finished)) == finished
+    with pytest.raises(ValueError, match="exactly one"):
+        convert.prefill_result_to_proto(convert.PrefillResult(5, 10))
+    with pytest.raises(ValueError, match="neither"):
+        convert.prefill_result_from_proto(prefill_pb2.PrefillResponse(first_token_id=1))
+
+
+def test_decode_payloads():
+    params = SamplingParams(max_tokens=8)
+    work = convert.DecodeInput("r1", list(range(10)), [42], params, make_handle())
+    assert convert.decode_request_from_proto(convert.decode_request_to_proto(work)) == work
+    recompute = convert.DecodeInput("r1", list(range(10)), [42, 43, 44], params, None)
+    assert convert.decode_request_from_proto(convert.decode_request_to_proto(recompute)) == recompute
+
+    bad = convert.decode_request_to_proto(work)
+    bad.generated_token_ids.append(43)
+    with pytest.raises(ValueError, match="exactly token 1"):
+        convert.decode_request_from_proto(bad)
+    bad = convert.decode_request_to_proto(work)
+    bad.prompt_token_ids.append(1)
+    with pytest.raises(ValueError, match="handle covers 10 tokens but the prompt has 11"):
+        convert.decode_request_from_proto(bad)
+    done = convert.decode_request_to_proto(convert.DecodeInput("r", [1], list(range(8)), params))
+    with pytest.raises(ValueError, match="leave nothing to decode"):
+        convert.decode_request_from_proto(done)
+
+    chunk = convert.DecodeChunk([1, 2], FinishReason.LENGTH,
+                                convert.KvPullStats(10, 1, 0, 0.1, convert.KvPullOutcome.NO_HANDLE))
+    assert convert.decode_chunk_from_proto(convert.decode_chunk_to_proto(chunk)) == chunk
+    assert convert.decode_chunk_from_proto(decode_pb2.DecodeResponse(token_ids=[3])) == convert.DecodeChunk([3])
+
+
+def test_generate_prompt():
+    assert convert.generate_prompt_from_proto(generate_pb2.GenerateRequest(text="hi")) == "hi"
+    ids = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[1, 2]))
+    assert convert.generate_prompt_from_proto(ids) == [1, 2]
+    with pytest.raises(ValueError, match="prompt is missing"):
+        convert.generate_prompt_from_proto(generate_pb2.GenerateRequest())
+    with pytest.raises(ValueError, match="prompt text is empty"):
+        convert.generate_prompt_from_proto(generate_pb2.GenerateRequest(text=""))
+    with pytest.raises(ValueError, match="prompt token_ids is empty"):
+        convert.generate_prompt_from_proto(generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds()))

@@ -1,0 +1,140 @@
+"""shared.grpc_server: health goes NOT_SERVING -> SERVING -> NOT_SERVING across start/ready/shutdown,
+reflection lists the services, and an unexpected handler exception becomes INTERNAL."""
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
+from shared.grpc_server import GrpcServer, ServerOptions
+
+SERVICE = "pdserve.v1.GenerateService"
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+class BrokenGenerate(generate_pb2_grpc.GenerateServiceServicer):
+    async def Generate(self, request, context):
+        yield generate_pb2.GenerateResponse(token_ids=[1])
+        raise RuntimeError("boom")
+
+
+def make_server(**kwargs) -> GrpcServer:
+    server = GrpcServer(ServerOptions(host="127.0.0.1", port=0, grace_seconds=1.0, **kwargs))
+    server.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, BrokenGenerate(), SERVICE)
+    return server
+
+
+async def check(stub, service=""):
+    response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    return response.status
+
+
+@pytest.mark.timeout(30)
+def test_health_lifecycle():
+    async def scenario():
+        server = make_server()
+        await server.start()
+        seen_during_shutdown = []
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            assert await check(stub) == NOT_SERVING
+            assert await check(stub, SERVICE) == NOT_SERVING
+            await server.set_serving(True)
+            assert await check(stub) == SERVING
+            assert await check(stub, SERVICE) == SERVING
+
+            async def record():
+                seen_during_shutdown.append((await check(stub), await check(stub, SERVICE)))
+
+            server.on_shutdown(record)
+            await server.stop()
+            # Flipping back after shutdown began must be ignored.
+            await server.set_serving(True)
+        assert seen_during_shutdown == [(NOT_SERVING, NOT_SERVING)]
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(30)
+def test_serve_forever_stops_on_request():
+    async def scenario():
+        server = make_server()
+        task = asyncio.create_task(server.serve_forever(handle_signals=False))
+        while not server.is_started:
+            await asyncio.sleep(0.01)
+        server.request_stop()
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(30)
+def test_reflection_lists_services():
+    async def scenario():
+        server = make_server()
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+                call = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+                names = []
+                async for response in call:
+                    names = [s.name for s in response.list_services_response.service]
+                    break
+                call.cancel()
+        finally:
+            await server.stop(0)
+        assert SERVICE in names
+        assert "grpc.health.v1.Health" in names
+        assert "grpc.reflection.v1alpha.ServerReflection" in names
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(30)
+def test_unexpected_exception_maps_to_internal():
+    async def scenario():
+        server = make_server()
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = generate_pb2_grpc.GenerateServiceStub(channel)
+                received = []
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for chunk in stub.Generate(generate_pb2.GenerateRequest(text="x"), timeout=5):
+                        received.append(list(chunk.token_ids))
+                assert received == [[1]]
+                assert info.value.code() == grpc.StatusCode.INTERNAL
+                assert "RuntimeError" in info.value.details()
+        finally:
+            await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(30)
+def test_oversized_message_is_rejected():
+    async def scenario():
+        server = make_server(max_message_bytes=4096)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = generate_pb2_grpc.GenerateServiceStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for _ in stub.Generate(generate_pb2.GenerateRequest(text="x" * 10000), timeout=5):
+                        pass
+                assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        finally:
+            await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_bad_options_are_rejected():
+    with pytest.raises(ValueError, match="port"):
+        ServerOptions(port=70000)
+    with pytest.raises(ValueError, match="grace_seconds"):
+        ServerOptions(grace_seconds=-1)

@@ -1,0 +1,232 @@
+"""KV block READs over NIXL (UCX, loopback) between this process and a spawned prefill process.
+
+Also the pure run-coalescing rules and the clean failures (unknown/removed/dead peer, bad block ids).
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import time
+
+import pytest
+import torch
+
+from shared.kv_transfer.block_runs import BlockRun, coalesce_block_runs
+from shared.kv_transfer.nixl_agent import (
+    KvLayoutMismatchError,
+    KvTransferAgent,
+    KvTransferError,
+    TransferState,
+    UnknownPeerError,
+)
+
+NUM_TENSORS = 4  # two layers, K and V each
+BLOCK_SHAPE = (4, 2, 8)  # block_size, kv_heads, head_dim
+DTYPE = torch.bfloat16
+PREFILL_BLOCKS = 16
+DECODE_BLOCKS = 24
+TIMEOUT_S = 10.0
+
+
+def _prefill_pool() -> list[torch.Tensor]:
+    """Known, distinct data in every block of every tensor; the same in any process."""
+    tensors = []
+    for index in range(NUM_TENSORS):
+        generator = torch.Generator().manual_seed(1000 + index)
+        tensors.append(torch.randn((PREFILL_BLOCKS, *BLOCK_SHAPE), generator=generator).to(DTYPE))
+    return tensors
+
+
+def _decode_pool() -> list[torch.Tensor]:
+    return [torch.zeros((DECODE_BLOCKS, *BLOCK_SHAPE), dtype=DTYPE) for _ in range(NUM_TENSORS)]
+
+
+def _serve_prefill_pool(conn) -> None:
+    """Child process: register the pool, send its KvSource, keep UCX progressing, forward notifications."""
+    tensors = _prefill_pool()
+    with KvTransferAgent(KvTransferAgent.unique_name("prefill")) as agent:
+        conn.send(agent.register_kv_caches(tensors))
+        while True:
+            for peer_name, messages in agent.get_notifs().items():
+                conn.send(("notif", peer_name, messages))
+            if conn.poll(0.001):
+                if conn.recv() == "stop":
+                    break
+
+
+class _PrefillProcess:
+    def __init__(self):
+        context = multiprocessing.get_context("spawn")
+        self.conn, child_conn = context.Pipe()
+        self.process = context.Process(target=_serve_prefill_pool, args=(child_conn,), daemon=True)
+        self.process.start()
+        if not self.conn.poll(60):
+            self.stop()
+            raise RuntimeError("prefill process did not publish its KV source")
+        self.source = self.conn.recv()
+
+    def wait_notif(self, timeout_s: float) -> tuple[str, list[bytes]]:
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError("no notification reached the prefill process")
+        kind, peer_name, messages = self.conn.recv()
+        assert kind == "notif"
+        return peer_name, messages
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.conn.send("stop")
+            self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    process = _PrefillProcess()
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def decode(prefill):
+    tensors = _decode_pool()
+    agent = KvTransferAgent(KvTransferAgent.unique_name("decode"))
+    agent.register_kv_caches(tensors)
+    agent.add_peer(prefill.source)
+    yield agent, tensors
+    agent.close()
+
+
+# ---- coalescing ------------------------------------------------------------------------------
+def test_coalesce_merges_pairs_contiguous_on_both_sides():
+    assert coalesce_block_runs([3, 4, 5, 9], [10, 11, 12, 2]) == [BlockRun(3, 10, 3), BlockRun(9, 2, 1)]
+
+
+def test_coalesce_breaks_where_only_one_side_is_contiguous():
+    assert coalesce_block_runs([1, 2, 3], [5, 6, 8]) == [BlockRun(1, 5, 2), BlockRun(3, 8, 1)]
+    assert coalesce_block_runs([1, 3], [5, 6]) == [BlockRun(1, 5, 1), BlockRun(3, 6, 1)]
+
+
+def test_coalesce_merges_unordered_pairs():
+    assert coalesce_block_runs([7, 5, 6], [2, 0, 1]) == [BlockRun(5, 0, 3)]
+
+
+def test_coalesce_empty_and_invalid_input():
+    assert coalesce_block_runs([], []) == []
+    with pytest.raises(ValueError, match="local_block_ids"):
+        coalesce_block_runs([1, 2], [3])
+    with pytest.raises(ValueError, match="duplicates"):
+        coalesce_block_runs([1, 2], [3, 3])
+
+
+# ---- transfers -------------------------------------------------------------------------------
+def test_scattered_read_copies_exact_bytes_and_notifies_prefill(prefill, decode):
+    agent, tensors = decode
+    remote_ids = [3, 4, 5, 9, 0, 15]
+    local_ids = [10, 11, 12, 2, 20, 21]
+    transfer = agent.read_blocks(prefill.source.agent_name, remote_ids, local_ids, notif_msg=b"request-7")
+
+    assert agent.wait(transfer, TIMEOUT_S) is TransferState.DONE
+    expected = _prefill_pool()
+    for local_tensor, source_tensor in zip(tensors, expected):
+        for remote_id, local_id in zip(remote_ids, local_ids):
+            assert torch.equal(local_tensor[local_id], source_tensor[remote_id])
+        untouched = [block for block in range(DECODE_BLOCKS) if block not in local_ids]
+        assert not local_tensor[untouched].any()
+    block_bytes = local_tensor[0].numel() * local_tensor.element_size()
+    assert transfer.num_bytes == len(remote_ids) * block_bytes * NUM_TENSORS
+    assert agent.num_bytes_read == transfer.num_bytes
+    assert transfer.num_runs == 4  # 3-5 -> 10-12 merge; 0 -> 20, 9 -> 2 and 15 -> 21 stay single
+    assert transfer.num_descriptors == 4 * NUM_TENSORS
+    assert transfer.gb_per_s is not None and transfer.gb_per_s > 0
+    assert agent.release(transfer)
+    assert prefill.wait_notif(TIMEOUT_S) == (agent.name, [b"request-7"])
+
+
+def test_contiguous_read_is_one_descriptor_per_tensor(prefill, decode):
+    agent, tensors = decode
+    transfer = agent.read_blocks(prefill.source.agent_name, list(range(16)), list(range(8, 24)), notif_msg=b"r2")
+    assert agent.wait(transfer, TIMEOUT_S) is TransferState.DONE
+    assert transfer.num_descriptors == NUM_TENSORS
+    for local_tensor, source_tensor in zip(tensors, _prefill_pool()):
+        assert torch.equal(local_tensor[8:24], source_tensor)
+    agent.release(transfer)
+    prefill.wait_notif(TIMEOUT_S)
+
+
+def test_unknown_and_removed_peer_raise_without_posting(prefill, decode):
+    agent, _ = decode
+    with pytest.raises(UnknownPeerError):
+        agent.read_blocks("no-such-agent", [0], [0], notif_msg=b"x")
+    agent.remove_peer(prefill.source.agent_name)
+    assert not agent.has_peer(prefill.source.agent_name)
+    with pytest.raises(UnknownPeerError):
+        agent.read_blocks(prefill.source.agent_name, [0], [0], notif_msg=b"x")
+
+
+def test_invalid_block_ids_raise_value_error(prefill, decode):
+    agent, _ = decode
+    peer = prefill.source.agent_name
+    with pytest.raises(ValueError, match="remote block ids"):
+        agent.read_blocks(peer, [PREFILL_BLOCKS], [0], notif_msg=b"x")
+    with pytest.raises(ValueError, match="local block ids"):
+        agent.read_blocks(peer, [0], [DECODE_BLOCKS], notif_msg=b"x")
+    with pytest.raises(ValueError, match="remote block ids"):
+        agent.read_blocks(peer, [-1], [0], notif_msg=b"x")
+    with pytest.raises(ValueError):
+        agent.read_blocks(peer, [], [], notif_msg=b"x")
+    with pytest.raises(ValueError, match="duplicates"):
+        agent.read_blocks(peer, [0, 1], [3, 3], notif_msg=b"x")
+
+
+def test_incompatible_peer_layout_is_rejected(prefill):
+    with KvTransferAgent(KvTransferAgent.unique_name("decode")) as agent:
+        agent.register_kv_caches(_decode_pool())
+        with pytest.raises(KvLayoutMismatchError, match="bytes per block"):
+            agent.add_peer(dataclasses.replace(prefill.source, block_bytes=prefill.source.block_bytes * 2))
+        with pytest.raises(KvLayoutMismatchError, match="KV tensors"):
+            agent.add_peer(dataclasses.replace(prefill.source, regions=prefill.source.regions[:2]))
+        assert not agent.has_peer(prefill.source.agent_name)
+
+
+def test_register_rejects_bad_tensors():
+    with KvTransferAgent(KvTransferAgent.unique_name("decode")) as agent:
+        with pytest.raises(ValueError, match="empty"):
+            agent.register_kv_caches([])
+        with pytest.raises(ValueError, match="not contiguous"):
+            agent.register_kv_caches([torch.zeros(4, 8, 2).transpose(0, 1)])
+        with pytest.raises(ValueError, match=r"kv_tensors\[1\]"):
+            agent.register_kv_caches([torch.zeros(4, 8), torch.zeros(4, 9)])
+        with pytest.raises(KvTransferError, match="no registered KV pool"):
+            agent.kv_source()
+        agent.register_kv_caches([torch.zeros(4, 8)])
+        with pytest.raises(ValueError, match="already registered"):
+            agent.register_kv_caches([torch.zeros(4, 8)])
+
+
+def test_read_from_a_dead_peer_fails_cleanly():
+    """A peer that exited after a good READ: the next READ raises or ends in ERROR, never hangs."""
+    peer = _PrefillProcess()
+    try:
+        with KvTransferAgent(KvTransferAgent.unique_name("decode")) as agent:
+            agent.register_kv_caches(_decode_pool())
+            agent.add_peer(peer.source)
+            first = agent.read_blocks(peer.source.agent_name, [1], [1], notif_msg=b"ok")
+            assert agent.wait(first, TIMEOUT_S) is TransferState.DONE
+            agent.release(first)
+            peer.stop()
+
+            deadline = time.monotonic() + TIMEOUT_S
+            try:
+                second = agent.read_blocks(peer.source.agent_name, [2], [2], notif_msg=b"late")
+            except KvTransferError:
+                return
+            while agent.poll(second) is TransferState.PENDING:
+                assert time.monotonic() < deadline, "READ from a dead peer neither failed nor finished"
+                time.sleep(0.01)
+            assert second.state is TransferState.ERROR
+            assert second.error
+            agent.release(second)
+    finally:
+        peer.stop()

@@ -1,0 +1,463 @@
+"""The router's Generate over real gRPC on 127.0.0.1 against small fake prefill/decode servers: token 1
+first, decode relay, retries, re-issue without duplicates, deadlines, cancellation, errors, text."""
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pdserve.client import AsyncPdserveClient, PdserveClient
+from proto.pdserve.v1 import common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc
+from proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
+from router.config import WorkerSpec, parse_worker_spec
+from router.servicer import RouterServicer, RouterSettings
+from router.text import TextCodec
+from router.workers import PoolSettings, WorkerPool
+from shared import convert
+from shared.grpc_server import GrpcServer, ServerOptions
+from shared.request import FinishReason
+
+REPO = Path(__file__).resolve().parents[1]
+LAYOUT = convert.KvLayout("fake", "float32", 1, 1, 4, 4)
+EOS = 999
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def next_token(token_id: int) -> int:
+    return (token_id * 7 + 3) % 1000
+
+
+def expected_output(prompt, max_tokens, stop=()):
+    out, last = [], prompt[-1]
+    while len(out) < max_tokens:
+        last = next_token(last)
+        out.append(last)
+        if last in stop:
+            break
+    return out
+
+
+class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, fail_with=None, overloaded=False):
+        self.fail_with = fail_with
+        self.overloaded = overloaded
+        self.calls, self.released = [], []
+
+    async def Prefill(self, request, context):
+        self.calls.append(request)
+        if self.fail_with is not None:
+            await context.abort(self.fail_with, "simulated prefill failure")
+        work = convert.prefill_request_from_proto(request)
+        first = next_token(work.prompt_token_ids[-1])
+        finish = None
+        if work.sampling.max_tokens == 1:
+            finish = FinishReason.LENGTH
+        elif first in work.sampling.stop_token_ids:
+            finish = FinishReason.STOP
+        handle = None
+        if finish is None:
+            n = len(work.prompt_token_ids)
+            handle = convert.KvHandle("eng-p", "127.0.0.1:1", range(-(-n // 4)), n, 4, LAYOUT, 2**40)
+        return convert.prefill_result_to_proto(convert.PrefillResult(first, n_prompt(request), finish, handle))
+
+    async def ReleaseKv(self, request, context):
+        self.released.append(request.request_id)
+        return prefill_pb2.ReleaseKvResponse(intact=True)
+
+    async def GetLoad(self, request, context):
+        return common_pb2.GetLoadResponse(load=common_pb2.LoadReport(is_overloaded=self.overloaded), engine_id="eng-p")
+
+
+def n_prompt(request):
+    return len(request.prompt_token_ids)
+
+
+class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, fail_after=None, delay_s=0.0, overloaded=False):
+        self.fail_after = fail_after  # abort UNAVAILABLE after this many tokens
+        self.delay_s = delay_s
+        self.overloaded = overloaded
+        self.calls, self.time_remaining, self.cancelled = [], [], asyncio.Event()
+
+    async def Decode(self, request, context):
+        work = convert.decode_request_from_proto(request)
+        self.calls.append(work)
+        self.time_remaining.append(context.time_remaining())
+        outcome = convert.KvPullOutcome.PULLED if work.handle else convert.KvPullOutcome.NO_HANDLE
+        stats = convert.KvPullStats(128, 1, 0, 0.001, outcome)
+        last = (work.generated_token_ids or work.prompt_token_ids)[-1]
+        num_out = len(work.generated_token_ids)
+        sent = 0
+        try:
+            while True:
+                if self.fail_after is not None and sent == self.fail_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "simulated decode crash")
+                await asyncio.sleep(self.delay_s)
+                last = next_token(last)
+                num_out += 1
+                sent += 1
+                finish = None
+                if last in work.sampling.stop_token_ids:
+                    finish = FinishReason.STOP
+                elif num_out >= work.sampling.max_tokens:
+                    finish = FinishReason.LENGTH
+                yield convert.decode_chunk_to_proto(convert.DecodeChunk([last], finish, stats if sent == 1 else None))
+                if finish is not None:
+                    return
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+    async def GetLoad(self, request, context):
+        return common_pb2.GetLoadResponse(load=common_pb2.LoadReport(is_overloaded=self.overloaded), engine_id="eng-d")
+
+
+async def start_fake(servicer, add, name, serving=True):
+    server = GrpcServer(ServerOptions(port=0, grace_seconds=0))
+    server.add_service(add, servicer, name)
+    await server.start()
+    await server.set_serving(serving)
+    return server
+
+
+class Cluster:
+    """Fake pods + the router servicer on a real gRPC server, all on 127.0.0.1."""
+
+    def __init__(self, prefills, decodes, *, policy="round-robin", codec=None, decode_serving=True, resolver=None):
+        self.prefills, self.decodes = prefills, decodes
+        self.policy, self.codec, self.decode_serving, self.resolver = policy, codec, decode_serving, resolver
+
+    async def __aenter__(self):
+        self.servers = [await start_fake(p, prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
+                                         "pdserve.v1.PrefillService") for p in self.prefills]
+        self.decode_servers = [await start_fake(d, decode_pb2_grpc.add_DecodeServiceServicer_to_server,
+                                                "pdserve.v1.DecodeService", self.decode_serving) for d in self.decodes]
+        settings = PoolSettings(health_interval_s=30, resolve_interval_s=30, probe_timeout_s=2)
+        extra = {"resolver": self.resolver} if self.resolver else {}
+        self.prefill_pool = WorkerPool("prefill", [parse_worker_spec(s.address) for s in self.servers],
+                                       prefill_pb2_grpc.PrefillServiceStub, "pdserve.v1.PrefillService", settings)
+        self.decode_pool = WorkerPool("decode", [parse_worker_spec(s.address) for s in self.decode_servers],
+                                      decode_pb2_grpc.DecodeServiceStub, "pdserve.v1.DecodeService", settings, **extra)
+        await self.prefill_pool.start()
+        await self.decode_pool.start()
+        self.servicer = RouterServicer(self.prefill_pool, self.decode_pool, RouterSettings(self.policy, 2, 2),
+                                       codec=self.codec)
+        self.router = GrpcServer(ServerOptions(port=0, grace_seconds=0))
+        self.router.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, self.servicer,
+                                "pdserve.v1.GenerateService")
+        await self.router.start()
+        self.client = AsyncPdserveClient(self.router.address)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.client.close()
+        await self.router.stop(0)
+        await self.servicer.drain()
+        await self.prefill_pool.close()
+        await self.decode_pool.close()
+        for server in self.servers + self.decode_servers:
+            await server.stop(0)
+
+    async def generate(self, prompt, **kwargs):
+        return [chunk async for chunk in self.client.generate(prompt, **kwargs)]
+
+
+def tokens(chunks):
+    return [t for c in chunks for t in c.token_ids]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_token_one_first_then_decode_relay():
+    async def scenario():
+        prefill, decode = FakePrefill(), FakeDecode()
+        async with Cluster([prefill], [decode]) as cluster:
+            chunks = await cluster.generate([5, 6, 7], max_tokens=6, request_id="r1")
+        want = expected_output([5, 6, 7], 6)
+        assert chunks[0].token_ids == want[:1] and chunks[0].finish_reason is None
+        assert tokens(chunks) == want
+        assert chunks[-1].finish_reason is FinishReason.LENGTH
+        assert [c.num_output_tokens for c in chunks] == list(range(1, 7))
+        assert all(c.num_prompt_tokens == 3 and c.request_id == "r1" for c in chunks)
+        (work,) = decode.calls
+        assert work.generated_token_ids == want[:1] and work.handle is not None and work.handle.num_tokens == 3
+        assert prefill.released == []  # the decode pod confirmed the pull itself
+
+    run(scenario())
+
+
+def test_token_one_that_finishes_never_reaches_decode():
+    async def scenario():
+        prefill, decode = FakePrefill(), FakeDecode()
+        stop = next_token(7)
+        async with Cluster([prefill], [decode]) as cluster:
+            one = await cluster.generate([7], max_tokens=1)
+            stopped = await cluster.generate([7], max_tokens=5, stop_token_ids=[stop])
+        assert [(c.token_ids, c.finish_reason) for c in one] == [([stop], FinishReason.LENGTH)]
+        assert [(c.token_ids, c.finish_reason) for c in stopped] == [([stop], FinishReason.STOP)]
+        assert decode.calls == []
+
+    run(scenario())
+
+
+def test_prefill_unavailable_is_retried_on_another_worker():
+    async def scenario():
+        broken, good = FakePrefill(fail_with=grpc.StatusCode.UNAVAILABLE), FakePrefill()
+        async with Cluster([broken, good], [FakeDecode()]) as cluster:
+            outputs = [tokens(await cluster.generate([i + 1], max_tokens=3)) for i in range(3)]
+        assert outputs == [expected_output([i + 1], 3) for i in range(3)]
+        assert len(broken.calls) == 1  # marked unavailable after the first failure
+        assert len(good.calls) == 3
+
+    run(scenario())
+
+
+def test_all_prefill_workers_failing_gives_unavailable():
+    async def scenario():
+        async with Cluster([FakePrefill(fail_with=grpc.StatusCode.UNAVAILABLE)], [FakeDecode()]) as cluster:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await cluster.generate([1], max_tokens=3)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "prefill" in info.value.details()
+
+    run(scenario())
+
+
+def test_prefill_invalid_argument_is_passed_through():
+    async def scenario():
+        async with Cluster([FakePrefill(fail_with=grpc.StatusCode.INVALID_ARGUMENT)], [FakeDecode()]) as cluster:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await cluster.generate([1], max_tokens=3)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "simulated prefill failure" in info.value.details()
+
+    run(scenario())
+
+
+def test_decode_crash_mid_stream_is_reissued_without_duplicates():
+    async def scenario():
+        prefill = FakePrefill()
+        crashing, healthy = FakeDecode(fail_after=3), FakeDecode()
+        async with Cluster([prefill], [crashing, healthy]) as cluster:
+            # Round robin sends the first decode to the lower address; make sure the crashing one is hit.
+            runs = [await cluster.generate([11, 12], max_tokens=10) for _ in range(2)]
+        want = expected_output([11, 12], 10)
+        for chunks in runs:
+            assert tokens(chunks) == want
+            assert chunks[-1].finish_reason is FinishReason.LENGTH
+        assert len(crashing.calls) == 1
+        reissue = [w for w in healthy.calls if w.handle is None]
+        assert len(reissue) == 1
+        # Re-issued as recompute: token 1 + the 3 tokens the crashed pod had streamed, no handle.
+        assert reissue[0].generated_token_ids == want[:4] and reissue[0].prompt_token_ids == [11, 12]
+        # The crashed pod never confirmed (it sent tokens, so it had): no extra release needed.
+        assert prefill.released == []
+
+    run(scenario())
+
+
+def test_decode_server_dying_mid_stream_is_reissued():
+    async def scenario():
+        decodes = [FakeDecode(delay_s=0.05), FakeDecode(delay_s=0.05)]
+        async with Cluster([FakePrefill()], decodes) as cluster:
+            got = []
+            async for chunk in cluster.client.generate([3], max_tokens=20):
+                got.extend(chunk.token_ids)
+                if len(got) == 4:
+                    victim = next(i for i, d in enumerate(decodes) if d.calls)
+                    await cluster.decode_servers[victim].stop(0)  # the pod goes away mid-stream
+        assert got == expected_output([3], 20)
+        survivor = decodes[1 - victim]
+        assert len(survivor.calls) == 1 and survivor.calls[0].handle is None
+        assert 4 <= len(survivor.calls[0].generated_token_ids) < 20
+
+    run(scenario())
+
+
+def test_no_healthy_decode_gives_unavailable_and_releases_the_hold():
+    async def scenario():
+        prefill = FakePrefill()
+        async with Cluster([prefill], [FakeDecode()], decode_serving=False) as cluster:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await cluster.generate([3], max_tokens=4, request_id="lost")
+            await cluster.servicer.drain()
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no healthy decode worker" in info.value.details()
+        assert prefill.released == ["lost"]
+
+    run(scenario())
+
+
+def test_all_overloaded_gives_resource_exhausted():
+    async def scenario():
+        async with Cluster([FakePrefill(overloaded=True)], [FakeDecode()]) as cluster:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await cluster.generate([3], max_tokens=4)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "overloaded" in info.value.details()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    "prompt, sampling, needle",
+    [
+        ([], {}, "prompt token_ids is empty"),
+        ([1], {"top_p": 1.0}, None),
+        ("hello", {}, "need a tokenizer"),
+    ],
+)
+def test_invalid_input_gives_invalid_argument(prompt, sampling, needle):
+    async def scenario():
+        async with Cluster([FakePrefill()], [FakeDecode()]) as cluster:
+            if needle is None:
+                # Client-side validation rejects bad sampling before any call; send a raw bad message instead.
+                stub = generate_pb2_grpc.GenerateServiceStub(grpc.aio.insecure_channel(cluster.router.address))
+                bad = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[1]),
+                                                   sampling=common_pb2.SamplingParams(top_p=2.0))
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for _ in stub.Generate(bad, timeout=5):
+                        pass
+                assert "top_p" in info.value.details()
+            else:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await cluster.generate(prompt, **sampling)
+                assert needle in info.value.details()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    run(scenario())
+
+
+def test_deadline_is_propagated_and_enforced():
+    async def scenario():
+        decode = FakeDecode(delay_s=0.2)
+        async with Cluster([FakePrefill()], [decode]) as cluster:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await cluster.generate([1], max_tokens=50, timeout=1.0)
+            await asyncio.wait_for(decode.cancelled.wait(), 5)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # The wire encoding of grpc-timeout rounds up a little; without propagation this would be None.
+        assert decode.time_remaining[0] is not None and decode.time_remaining[0] <= 1.1
+
+    run(scenario())
+
+
+def test_client_cancellation_reaches_decode_and_frees_nothing_twice():
+    async def scenario():
+        decode = FakeDecode(delay_s=0.05)
+        async with Cluster([FakePrefill()], [decode]) as cluster:
+            received = []
+            stream = cluster.client.generate([2], max_tokens=1000)
+            async for chunk in stream:
+                received.extend(chunk.token_ids)
+                if len(received) >= 3:
+                    break
+            await stream.aclose()
+            await asyncio.wait_for(decode.cancelled.wait(), 5)
+        assert received == expected_output([2], 3)
+
+    run(scenario())
+
+
+def test_text_prompt_and_incremental_text(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    vocab = {f"w{i}": i for i in range(1000)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+
+    async def scenario():
+        async with Cluster([FakePrefill()], [FakeDecode()], codec=TextCodec.from_path(str(tmp_path))) as cluster:
+            return await cluster.generate("w5 w9", max_tokens=4)
+
+    chunks = run(scenario())
+    want = expected_output([5, 9], 4)
+    assert tokens(chunks) == want
+    assert "".join(c.text for c in chunks).split() == [f"w{t}" for t in want]
+    assert chunks[0].num_prompt_tokens == 2
+
+
+def test_dns_names_resolve_to_every_address_and_refresh():
+    async def scenario():
+        decodes = [FakeDecode(), FakeDecode()]
+        servers = [await start_fake(d, decode_pb2_grpc.add_DecodeServiceServicer_to_server,
+                                    "pdserve.v1.DecodeService") for d in decodes]
+        answers = {"now": [servers[0].address]}
+
+        async def resolver(host, port):
+            assert (host, port) == ("decode.test", 7000)
+            return answers["now"]
+
+        pool = WorkerPool("decode", [WorkerSpec("decode.test", 7000, True)], decode_pb2_grpc.DecodeServiceStub,
+                          "pdserve.v1.DecodeService", PoolSettings(health_interval_s=30, resolve_interval_s=30),
+                          resolver=resolver)
+        try:
+            await pool.start()
+            assert pool.addresses == [servers[0].address] and pool.has_healthy
+            answers["now"] = [servers[0].address, servers[1].address]
+            await pool.resolve()
+            await pool.poll()
+            assert sorted(pool.addresses) == sorted(s.address for s in servers)
+            assert all(v.is_healthy for v in pool.views())
+
+            async def failing(host, port):
+                raise OSError("resolver down")
+
+            pool._resolver = failing
+            await pool.resolve()  # a failed lookup keeps the last answer
+            assert len(pool.addresses) == 2
+            pool._resolver = resolver
+            answers["now"] = [servers[1].address]
+            await pool.resolve()
+            assert pool.addresses == [servers[1].address]
+        finally:
+            await pool.close()
+            for s in servers:
+                await s.stop(0)
+
+    run(scenario())
+
+
+def test_sync_client_and_router_main_process():
+    """`python -m router` starts, serves Generate through fake pods, and exits cleanly on SIGTERM."""
+
+    async def start_pods():
+        p = await start_fake(FakePrefill(), prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
+                             "pdserve.v1.PrefillService")
+        d = await start_fake(FakeDecode(), decode_pb2_grpc.add_DecodeServiceServicer_to_server,
+                             "pdserve.v1.DecodeService")
+        return p, d
+
+    async def scenario():
+        prefill, decode = await start_pods()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "router", "--port", "0", "--prefill", prefill.address, "--decode", decode.address,
+            cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+            assert line.startswith("router listening on "), line
+            address = line.split()[3]
+            # The blocking client runs in a thread so the fake pods in this loop keep serving.
+            def call():
+                with PdserveClient(address) as client:
+                    return [t for c in client.generate([4, 2], max_tokens=5, timeout=10) for t in c.token_ids]
+            assert await asyncio.to_thread(call) == expected_output([4, 2], 5)
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 20) == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            await prefill.stop(0)
+            await decode.stop(0)
+
+    run(scenario())
