@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import grpc
 
@@ -10,7 +11,9 @@ from proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from shared import convert
 from shared.engine_loop import EngineStopped
 from shared.kv_transfer.nixl import DO_REMOTE_DECODE, REMOTE_HANDLE
-from shared.pod import Pod, PodOverloaded
+from shared.metrics import ServiceMetrics
+from shared.pod import PodOverloaded
+from shared.pod_main import PodServicer
 from shared.request import FinishReason, Request, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -27,15 +30,19 @@ def first_token_finish_reason(
     return None
 
 
-class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, pod: Pod):
-        self.pod = pod
+class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, metrics: ServiceMetrics):
+        super().__init__()
+        self.metrics = metrics
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        await self.require_pod(context)
+        started = time.monotonic()
         try:
             work = convert.prefill_request_from_proto(request, vocab_size=self.pod.vocab_size)
             self.pod.check_prompt_fits(len(work.prompt_token_ids))
         except ValueError as exc:
+            self.metrics.record_outcome("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         # Token 1 only: the rest is the decode pod's. The original params decide the handoff.
         engine_request = Request(
@@ -46,12 +53,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             kv_transfer_params={DO_REMOTE_DECODE: work.sampling.max_tokens > 1},
         )
         final = await self._run(engine_request, context)
-        return convert.prefill_result_to_proto(self._result(work, final))
+        result = self._result(work, final)
+        self.metrics.ttft_seconds.observe(time.monotonic() - started)
+        self.metrics.record_outcome("ok")
+        return convert.prefill_result_to_proto(result)
 
     async def _run(self, engine_request: Request, context: grpc.aio.ServicerContext):
         try:
             stream = self.pod.submit(engine_request)
         except PodOverloaded as exc:
+            self.metrics.record_outcome("overloaded")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
@@ -68,6 +79,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             if final is None or not final.finished:
                 # Cancelled (client gone, deadline): the engine frees the request's blocks.
                 self.pod.loop.abort(engine_request.request_id)
+                self.metrics.record_outcome("cancelled")
         if final is None:
             await context.abort(grpc.StatusCode.ABORTED, "the request was aborted before token 1")
         return final, tokens
@@ -89,13 +101,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return convert.PrefillResult(token_id, num_prompt, handle=handle)
 
     async def GetKvSource(self, request, context):
+        await self.require_pod(context)
         return convert.kv_source_to_proto(self.pod.kv_source())
 
     async def ReleaseKv(self, request: prefill_pb2.ReleaseKvRequest, context):
+        await self.require_pod(context)
         intact = self.pod.connector.release(request.request_id, request.engine_id)
         return prefill_pb2.ReleaseKvResponse(intact=intact)
 
     async def GetLoad(self, request, context):
+        await self.require_pod(context)
         return common_pb2.GetLoadResponse(
             load=convert.load_report_to_proto(self.pod.load_report()), engine_id=self.pod.engine_id
         )

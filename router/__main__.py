@@ -26,8 +26,7 @@ PREFILL_SERVICE = "pdserve.v1.PrefillService"
 DECODE_SERVICE = "pdserve.v1.DecodeService"
 
 
-async def run(config: RouterConfig, *, env: dict[str, str]) -> None:
-    codec = TextCodec.from_path(config.tokenizer_path) if config.tokenizer_path else None
+async def run(config: RouterConfig, *, env: dict[str, str], codec: TextCodec | None = None) -> None:
     tracing = setup_tracing(
         TracingConfig.from_flags_and_env(env, default_service_name="pdserve-router", otlp_endpoint=config.otlp_endpoint)
     )
@@ -62,8 +61,10 @@ async def run(config: RouterConfig, *, env: dict[str, str]) -> None:
                         on_poll=update_health)
     servicer = RouterServicer(
         prefill, decode,
-        RouterSettings(config.policy, config.max_prefill_retries, config.max_decode_retries),
-        codec=codec, metrics=metrics,
+        RouterSettings(
+            config.policy, config.max_prefill_retries, config.max_decode_retries, config.request_timeout_s
+        ),
+        codec=codec, metrics=metrics, tracer=tracing.tracer,
     )
     server.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer, GENERATE_SERVICE)
     server.on_shutdown(servicer.drain)
@@ -91,10 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = RouterConfig.from_args(args)
+        codec = TextCodec.from_path(config.tokenizer_path) if config.tokenizer_path else None
     except ValueError as exc:
         print(f"router: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(run(config, env=dict(os.environ)))
+    asyncio.run(run(config, env=dict(os.environ), codec=codec))
     return 0
 
 

@@ -77,6 +77,7 @@ class RouterConfig:
     resolve_interval_s: float = 10.0
     probe_timeout_s: float = 1.0
     grace_seconds: float = 5.0
+    request_timeout_s: float = 600.0  # applies when the client sets no deadline: nothing waits forever
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -92,7 +93,7 @@ class RouterConfig:
         for name in ("max_prefill_retries", "max_decode_retries"):
             if not 0 <= getattr(self, name) <= 10:
                 raise ValueError(f"{name} must be in [0, 10], got {getattr(self, name)}")
-        for name in ("health_interval_s", "resolve_interval_s", "probe_timeout_s"):
+        for name in ("health_interval_s", "resolve_interval_s", "probe_timeout_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.grace_seconds < 0:
@@ -114,11 +115,14 @@ class RouterConfig:
             health_interval_s=args.health_interval,
             resolve_interval_s=args.resolve_interval,
             grace_seconds=args.grace_seconds,
+            request_timeout_s=args.request_timeout,
         )
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m router", description="pdserve router: Generate -> prefill -> decode")
+    parser = argparse.ArgumentParser(
+        prog="python -m router", description="pdserve router: Generate -> prefill -> decode"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=50051, help="port to listen on (0 picks one)")
     parser.add_argument("--prefill", action="append", metavar="ADDR",
@@ -128,10 +132,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--policy", choices=POLICIES, default="least-loaded")
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (off when unset)")
     parser.add_argument("--otlp-endpoint", default=None, help="OTLP gRPC endpoint for traces, e.g. localhost:4317")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer.json (or a directory holding one) for text prompts")
+    parser.add_argument(
+        "--tokenizer", default=None, help="tokenizer.json (or a directory holding one) for text prompts"
+    )
     parser.add_argument("--max-prefill-retries", type=int, default=2)
     parser.add_argument("--max-decode-retries", type=int, default=2)
     parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between health/load polls")
     parser.add_argument("--resolve-interval", type=float, default=10.0, help="seconds between DNS re-resolutions")
+    parser.add_argument("--request-timeout", type=float, default=600.0,
+                        help="deadline (seconds) for calls that arrive without one")
     parser.add_argument("--grace-seconds", type=float, default=5.0, help="graceful shutdown period")
     return parser

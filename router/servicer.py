@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
 from proto.pdserve.v1 import generate_pb2_grpc, prefill_pb2
 from router.metrics import RouterMetrics
@@ -53,6 +54,7 @@ class RouterSettings:
     policy: str = "least-loaded"
     max_prefill_retries: int = 2
     max_decode_retries: int = 2
+    request_timeout_s: float | None = None  # deadline for calls that arrive without one
 
 
 @dataclass
@@ -78,25 +80,35 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         settings: RouterSettings,
         codec: TextCodec | None = None,
         metrics: RouterMetrics | None = None,
+        tracer: trace.Tracer | None = None,
     ):
         self._prefill = prefill
         self._decode = decode
         self._settings = settings
         self._codec = codec
         self._metrics = metrics
+        self._tracer = tracer or trace.NoOpTracer()
         self._turns = {prefill.tier: 0, decode.tier: 0}
         self._background: set[asyncio.Task] = set()
 
     # ---- the RPC ------------------------------------------------------------------------------
     async def Generate(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
+        # Pods key holds by request id, and two clients may pick the same one: suffix it downstream.
+        pod_request_id = f"{request_id}.{uuid.uuid4().hex[:8]}" if request.request_id else request_id
         start = time.monotonic()
         outcome = "error"
         try:
             prompt_ids, sampling = self._validate(request)
-            deadline = _Deadline(context.time_remaining())
+            # The server span (from the tracing interceptor, when on) is current here.
+            span = trace.get_current_span()
+            span.set_attribute("pdserve.request_id", pod_request_id)
+            span.set_attribute("pdserve.num_prompt_tokens", len(prompt_ids))
+            span.set_attribute("pdserve.max_tokens", sampling.max_tokens)
+            remaining = context.time_remaining()
+            deadline = _Deadline(self._settings.request_timeout_s if remaining is None else remaining)
             text = self._codec.stream() if self._codec is not None else None
-            async for chunk in self._route(request_id, prompt_ids, sampling, deadline, text, start):
+            async for chunk in self._route(request_id, pod_request_id, prompt_ids, sampling, deadline, text, start):
                 yield chunk
             outcome = "ok"
         except RouteError as exc:
@@ -126,8 +138,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, "prompt text encodes to no tokens")
         return prompt, sampling
 
-    async def _route(self, request_id, prompt_ids, sampling, deadline, text, start) -> AsyncIterator:
-        result, prefill_address = await self._run_prefill(request_id, prompt_ids, sampling, deadline)
+    async def _route(self, request_id, pod_request_id, prompt_ids, sampling, deadline, text, start) -> AsyncIterator:
+        result, prefill_address = await self._run_prefill(pod_request_id, prompt_ids, sampling, deadline)
         generated = [result.first_token_id]
 
         def chunk(token_ids: list[int], finish: FinishReason | None):
@@ -142,13 +154,17 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
 
         # Token 1 goes out before any decode work: TTFT never waits for the KV transfer.
         yield chunk([result.first_token_id], result.finish_reason)
+        ttft = time.monotonic() - start
+        trace.get_current_span().set_attribute("pdserve.ttft_s", ttft)
         if self._metrics is not None:
-            self._metrics.ttft_seconds.observe(time.monotonic() - start)
+            self._metrics.ttft_seconds.observe(ttft)
         if result.finish_reason is not None:
             return
-        hold = _Hold(prefill_address, request_id, result.handle)
+        hold = _Hold(prefill_address, pod_request_id, result.handle)
         try:
-            async for token_ids, finish in self._run_decode(request_id, prompt_ids, sampling, generated, deadline, hold):
+            async for token_ids, finish in self._run_decode(
+                pod_request_id, prompt_ids, sampling, generated, deadline, hold
+            ):
                 yield chunk(token_ids, finish)
         finally:
             # No decode pod confirmed the pull: free the prefill hold now instead of at lease expiry.
@@ -158,7 +174,14 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
     def _pick(self, pool: WorkerPool, exclude: list[str]):
         turn = self._turns[pool.tier]
         self._turns[pool.tier] = turn + 1
-        return pick(self._settings.policy, pool.views(), turn, exclude)
+        with self._tracer.start_as_current_span(f"route {pool.tier}") as span:
+            choice = pick(self._settings.policy, pool.views(), turn, exclude)
+            span.set_attribute("pdserve.policy", self._settings.policy)
+            span.set_attribute("pdserve.worker", choice.address or "")
+            span.set_attribute("pdserve.excluded", list(exclude))
+            if choice.reason is not None:
+                span.set_attribute("pdserve.no_pick", choice.reason.value)
+        return choice
 
     @staticmethod
     def _no_pick_error(pool: WorkerPool, reason: NoPick | None, last_error, tried: list[str]) -> RouteError:
@@ -196,7 +219,9 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                     self._prefill.mark_unavailable(choice.address)
                 self._count_retry("prefill")
                 last_error = exc
-                logger.warning("request %s: prefill on %s failed (%s), retrying", request_id, choice.address, exc.code())
+                logger.warning(
+                    "request %s: prefill on %s failed (%s), retrying", request_id, choice.address, exc.code()
+                )
                 continue
             try:
                 return convert.prefill_result_from_proto(response), choice.address
@@ -277,6 +302,10 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             return
         logger.debug("request %s: kv pull %s, %d blocks, %d bytes in %.4fs", request_id,
                      stats.outcome.value, stats.num_blocks, stats.num_bytes, stats.seconds)
+        span = trace.get_current_span()
+        span.set_attribute("pdserve.kv_pull.outcome", stats.outcome.value)
+        span.set_attribute("pdserve.kv_pull.num_bytes", stats.num_bytes)
+        span.set_attribute("pdserve.kv_pull.num_blocks", stats.num_blocks)
         if self._metrics is not None:
             self._metrics.kv_pulls.labels(outcome=stats.outcome.value).inc()
 
@@ -307,7 +336,9 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 )
         except (grpc.aio.AioRpcError, LookupError) as exc:
             # The lease expiry frees the blocks anyway; this only makes it sooner.
-            logger.info("request %s: releasing the KV hold on %s failed: %s", hold.request_id, hold.prefill_address, exc)
+            logger.info(
+                "request %s: releasing the KV hold on %s failed: %s", hold.request_id, hold.prefill_address, exc
+            )
 
     async def drain(self) -> None:
         """Waits for pending hold releases (called at shutdown)."""

@@ -23,7 +23,10 @@ class TextCodec:
             file = file / "tokenizer.json"
         if not file.is_file():
             raise ValueError(f"tokenizer file not found: {file}")
-        return cls(Tokenizer.from_file(str(file)))
+        try:
+            return cls(Tokenizer.from_file(str(file)))
+        except Exception as exc:  # the tokenizers library raises its own exception types
+            raise ValueError(f"cannot load tokenizer {file}: {exc}") from None
 
     @property
     def vocab_size(self) -> int:

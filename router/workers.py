@@ -31,8 +31,10 @@ async def resolve_dns(host: str, port: int) -> list[str]:
 @dataclass
 class _Worker:
     address: str
-    channel: grpc.aio.Channel
+    channel: grpc.aio.Channel  # request calls (carries the client interceptors)
     stub: Any
+    probe_channel: grpc.aio.Channel  # health and load probes (untraced: they would bury the request traces)
+    probe_stub: Any
     health_stub: health_pb2_grpc.HealthStub
     is_healthy: bool = False
     load: convert.LoadReport | None = None
@@ -89,7 +91,7 @@ class WorkerPool:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         workers, self._workers = list(self._workers.values()), {}
-        await asyncio.gather(*(w.channel.close() for w in workers), return_exceptions=True)
+        await asyncio.gather(*(self._close(w) for w in workers), return_exceptions=True)
 
     async def _every(self, interval_s: float, action: Callable[[], Awaitable[None]]) -> None:
         while True:
@@ -119,13 +121,16 @@ class WorkerPool:
     def _apply(self, addresses: list[str]) -> None:
         for address in addresses:
             if address not in self._workers:
+                options = list(self.settings.channel_options)
                 channel = grpc.aio.insecure_channel(
-                    address,
-                    options=list(self.settings.channel_options),
-                    interceptors=list(self.settings.interceptors) or None,
+                    address, options=options, interceptors=list(self.settings.interceptors) or None
                 )
+                probe_channel = channel
+                if self.settings.interceptors:
+                    probe_channel = grpc.aio.insecure_channel(address, options=options)
                 self._workers[address] = _Worker(
-                    address, channel, self._stub_class(channel), health_pb2_grpc.HealthStub(channel)
+                    address, channel, self._stub_class(channel), probe_channel, self._stub_class(probe_channel),
+                    health_pb2_grpc.HealthStub(probe_channel),
                 )
                 logger.info("%s pool: added %s", self.tier, address)
         for address in [a for a in self._workers if a not in addresses]:
@@ -136,8 +141,13 @@ class WorkerPool:
                 self._close_later(worker)
 
     @staticmethod
-    def _close_later(worker: _Worker) -> None:
-        asyncio.get_running_loop().create_task(worker.channel.close())
+    async def _close(worker: _Worker) -> None:
+        await worker.channel.close()
+        if worker.probe_channel is not worker.channel:
+            await worker.probe_channel.close()
+
+    def _close_later(self, worker: _Worker) -> None:
+        asyncio.get_running_loop().create_task(self._close(worker))
 
     # ---- health and load ----------------------------------------------------------------------
     async def poll(self) -> None:
@@ -154,7 +164,7 @@ class WorkerPool:
             is_healthy = health.status == health_pb2.HealthCheckResponse.SERVING
             load = None
             if is_healthy:
-                response = await worker.stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout)
+                response = await worker.probe_stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout)
                 load = convert.load_report_from_proto(response.load)
         except grpc.aio.AioRpcError as exc:
             is_healthy, load = False, None

@@ -6,7 +6,6 @@ servicer can map it straight to INVALID_ARGUMENT.
 """
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, field
 

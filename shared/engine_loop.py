@@ -91,7 +91,7 @@ class EngineLoop:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         stream = RequestStream(request.request_id)
         self._streams[request.request_id] = stream
-        self._send(lambda: self.engine.add_request(request))
+        self._send(lambda: self._add(request))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -171,6 +171,17 @@ class EngineLoop:
             logger.exception("engine loop crashed")
             self.error = exc
             self._loop.call_soon_threadsafe(self._fail_all, exc)
+
+    def _add(self, request) -> None:
+        try:
+            self.engine.add_request(request)
+        except ValueError as exc:  # the engine refused it: tell that request, keep serving the rest
+            self._loop.call_soon_threadsafe(self._reject, request.request_id, exc)
+
+    def _reject(self, request_id: str, error: ValueError) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream._put(error)
 
     def _run_commands(self) -> None:
         while self._commands:

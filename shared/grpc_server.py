@@ -140,8 +140,11 @@ class GrpcServer:
         self._stopped = False
         self._on_shutdown: list[Callable[[], Any]] = []
 
-    def add_service(self, add_to_server: Callable[[Any, grpc.aio.Server], None], servicer: Any, service_name: str) -> None:
-        """Registers e.g. (generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer, "pdserve.v1.GenerateService")."""
+    def add_service(
+        self, add_to_server: Callable[[Any, grpc.aio.Server], None], servicer: Any, service_name: str
+    ) -> None:
+        """Registers a servicer, e.g. (generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer,
+        "pdserve.v1.GenerateService"); the name is used for health and reflection."""
         if self._server is not None:
             raise RuntimeError("add_service must be called before start()")
         self._registrations.append((add_to_server, servicer, service_name))

@@ -54,14 +54,15 @@ class PodConfig:
 class Pod:
     """Owns the engine and its loop thread. Build it, then start() inside the event loop."""
 
-    def __init__(self, role: KVRole, config: PodConfig):
+    def __init__(self, role: KVRole | None, config: PodConfig):
+        """role None: a colocated pod (no connector) that runs whole requests itself."""
         self.role = role
         self.config = config
         loaded = load_model(config.model, dtype=config.dtype, seed=config.seed)
         model_config = loaded.config
         max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
         # A fresh id per process start: a restarted prefill pod cannot confirm an old hold.
-        self.engine_id = f"{role.value}-{uuid.uuid4().hex[:12]}"
+        self.engine_id = f"{role.value if role else 'colocated'}-{uuid.uuid4().hex[:12]}"
         self.layout = KvLayout(
             model_name=f"{config.model}@{config.seed}",
             dtype=model_config.dtype,
@@ -70,7 +71,7 @@ class Pod:
             head_dim=model_config.head_dim,
             block_size=config.block_size,
         )
-        self.connector = NixlConnector(
+        self.connector = None if role is None else NixlConnector(
             role,
             engine_id=self.engine_id,
             layout=self.layout,
@@ -94,7 +95,8 @@ class Pod:
             connector=self.connector,
         )
         self.loop = EngineLoop(self.engine)
-        self.connector.wake = self.loop.wake
+        if self.connector is not None:
+            self.connector.wake = self.loop.wake
         self.tokenizer = loaded.tokenizer
         self.vocab_size = model_config.vocab_size
         self.eos_token_id = self.engine.eos_token_id
@@ -105,7 +107,8 @@ class Pod:
 
     async def stop(self) -> None:
         await self.loop.stop()
-        self.connector.shutdown()
+        if self.connector is not None:
+            self.connector.shutdown()
 
     def check_prompt_fits(self, num_tokens: int) -> None:
         """ValueError unless num_tokens leaves room for at least one more token."""
@@ -129,7 +132,7 @@ class Pod:
             num_running=self.engine.num_running,
             num_free_blocks=usage.num_free_blocks,
             num_total_blocks=usage.num_total_blocks,
-            num_held_blocks=self.connector.num_held_blocks,
+            num_held_blocks=self.connector.num_held_blocks if self.connector else 0,
             is_overloaded=self.loop.num_in_flight >= self.config.max_requests_in_flight,
         )
 

@@ -5,7 +5,7 @@ No proto and no torch here: both tiers, the scheduler tests and the services sha
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Upper bounds that keep one request from monopolising a pod; beyond them a value is a mistake.
 MAX_TOP_K = 1 << 20

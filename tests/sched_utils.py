@@ -37,7 +37,8 @@ def create_scheduler(
     kv_store: LoopbackKVStore | None = None,
     engine_id: str = "engine-0",
 ) -> Scheduler:
-    """The scheduler under test. enable_prefix_caching None keeps the default (on); max_model_len
+    """The scheduler under test. enable_prefix_caching None means off (the newer spec helper's
+    default: its async tests build equal prompts that must not share blocks); max_model_len
     None means the larger of max_num_batched_tokens and the model's context length;
     use_v2_model_runner and skip_tokenizer_init do not change the scheduler here."""
     context_len, mm_input_tokens = MODELS[model]
@@ -54,8 +55,9 @@ def create_scheduler(
         num_speculative_tokens=num_speculative_tokens or 0,
         speculative_method=speculative_method if num_speculative_tokens else None,
     )
-    cache_kwargs = {} if enable_prefix_caching is None else {"enable_prefix_caching": enable_prefix_caching}
-    cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks, **cache_kwargs)
+    cache_config = CacheConfig(
+        block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=bool(enable_prefix_caching)
+    )
     connector = None
     if use_kv_connector:
         connector = LoopbackConnector(

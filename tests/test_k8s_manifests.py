@@ -32,11 +32,11 @@ EXPECTED_ARGS = {
     ],
     "prefill": [
         "prefill", "--host", "0.0.0.0", "--port", "50061", "--metrics-port", "9400",
-        "--model", "builtin:tiny", "--advertise-address", "$(POD_IP):50061",
+        "--model", "tiny", "--advertise-address", "$(POD_IP):50061",
     ],
     "decode": [
         "decode", "--host", "0.0.0.0", "--port", "50071", "--metrics-port", "9400",
-        "--model", "builtin:tiny",
+        "--model", "tiny",
     ],
 }
 GRPC_PORTS = {"router": 50051, "prefill": 50061, "decode": 50071}

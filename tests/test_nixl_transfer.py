@@ -72,20 +72,22 @@ class _PrefillProcess:
         assert kind == "notif"
         return peer_name, messages
 
-    def stop(self) -> None:
+    def stop(self) -> int | None:
+        """Stop the process; its exit code (0 when its agent shut down cleanly)."""
         if self.process.is_alive():
             self.conn.send("stop")
             self.process.join(10)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
+        return self.process.exitcode
 
 
 @pytest.fixture(scope="module")
 def prefill():
     process = _PrefillProcess()
     yield process
-    process.stop()
+    assert process.stop() == 0
 
 
 @pytest.fixture
@@ -215,18 +217,24 @@ def test_read_from_a_dead_peer_fails_cleanly():
             first = agent.read_blocks(peer.source.agent_name, [1], [1], notif_msg=b"ok")
             assert agent.wait(first, TIMEOUT_S) is TransferState.DONE
             agent.release(first)
-            peer.stop()
+            assert peer.stop() == 0
 
             deadline = time.monotonic() + TIMEOUT_S
             try:
                 second = agent.read_blocks(peer.source.agent_name, [2], [2], notif_msg=b"late")
             except KvTransferError:
-                return
-            while agent.poll(second) is TransferState.PENDING:
-                assert time.monotonic() < deadline, "READ from a dead peer neither failed nor finished"
-                time.sleep(0.01)
-            assert second.state is TransferState.ERROR
-            assert second.error
-            agent.release(second)
+                pass
+            else:
+                while agent.poll(second) is TransferState.PENDING:
+                    assert time.monotonic() < deadline, "READ from a dead peer neither failed nor finished"
+                    time.sleep(0.01)
+                assert second.state is TransferState.ERROR and second.error
+                agent.release(second)
+            assert agent.is_peer_failed(peer.source.agent_name)
+            assert agent.num_failed_transfers == 1
+            with pytest.raises(KvTransferError, match="failed a transfer"):
+                agent.read_blocks(peer.source.agent_name, [3], [3], notif_msg=b"again")
+            agent.remove_peer(peer.source.agent_name)
+            assert not agent.has_peer(peer.source.agent_name)
     finally:
         peer.stop()

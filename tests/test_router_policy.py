@@ -64,7 +64,9 @@ def test_worker_spec_parsing():
     assert parse_worker_spec("dns:prefill.default.svc:50052") == WorkerSpec("prefill.default.svc", 50052, True)
     assert parse_worker_spec("[::1]:9") == WorkerSpec("::1", 9)
     assert str(WorkerSpec("::1", 9)) == "[::1]:9"
-    assert parse_worker_list(["a:1,b:2", "a:1", " c:3 "]) == (WorkerSpec("a", 1), WorkerSpec("b", 2), WorkerSpec("c", 3))
+    assert parse_worker_list(["a:1,b:2", "a:1", " c:3 "]) == (
+        WorkerSpec("a", 1), WorkerSpec("b", 2), WorkerSpec("c", 3)
+    )
     for bad in ("nohost", "host:", "host:0", "host:99999", ":5", "dns:name", "[::1]9"):
         with pytest.raises(ValueError, match="bad"):
             parse_worker_spec(bad)

@@ -5,8 +5,11 @@ import signal
 import sys
 from pathlib import Path
 
+import urllib.request
+
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.client import AsyncPdserveClient, PdserveClient
 from proto.pdserve.v1 import common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc
@@ -14,7 +17,7 @@ from proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from router.config import WorkerSpec, parse_worker_spec
 from router.servicer import RouterServicer, RouterSettings
 from router.text import TextCodec
-from router.workers import PoolSettings, WorkerPool
+from router.workers import PoolSettings, WorkerPool, resolve_dns
 from shared import convert
 from shared.grpc_server import GrpcServer, ServerOptions
 from shared.request import FinishReason
@@ -126,9 +129,11 @@ async def start_fake(servicer, add, name, serving=True):
 class Cluster:
     """Fake pods + the router servicer on a real gRPC server, all on 127.0.0.1."""
 
-    def __init__(self, prefills, decodes, *, policy="round-robin", codec=None, decode_serving=True, resolver=None):
-        self.prefills, self.decodes = prefills, decodes
-        self.policy, self.codec, self.decode_serving, self.resolver = policy, codec, decode_serving, resolver
+    def __init__(self, prefills, decodes, *, policy="round-robin", codec=None, decode_serving=True,
+                 request_timeout_s=None, tracer=None):
+        self.prefills, self.decodes, self.request_timeout_s = prefills, decodes, request_timeout_s
+        self.tracer = tracer
+        self.policy, self.codec, self.decode_serving = policy, codec, decode_serving
 
     async def __aenter__(self):
         self.servers = [await start_fake(p, prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
@@ -136,15 +141,15 @@ class Cluster:
         self.decode_servers = [await start_fake(d, decode_pb2_grpc.add_DecodeServiceServicer_to_server,
                                                 "pdserve.v1.DecodeService", self.decode_serving) for d in self.decodes]
         settings = PoolSettings(health_interval_s=30, resolve_interval_s=30, probe_timeout_s=2)
-        extra = {"resolver": self.resolver} if self.resolver else {}
         self.prefill_pool = WorkerPool("prefill", [parse_worker_spec(s.address) for s in self.servers],
                                        prefill_pb2_grpc.PrefillServiceStub, "pdserve.v1.PrefillService", settings)
         self.decode_pool = WorkerPool("decode", [parse_worker_spec(s.address) for s in self.decode_servers],
-                                      decode_pb2_grpc.DecodeServiceStub, "pdserve.v1.DecodeService", settings, **extra)
+                                      decode_pb2_grpc.DecodeServiceStub, "pdserve.v1.DecodeService", settings)
         await self.prefill_pool.start()
         await self.decode_pool.start()
-        self.servicer = RouterServicer(self.prefill_pool, self.decode_pool, RouterSettings(self.policy, 2, 2),
-                                       codec=self.codec)
+        router_settings = RouterSettings(self.policy, 2, 2, self.request_timeout_s)
+        self.servicer = RouterServicer(self.prefill_pool, self.decode_pool, router_settings,
+                                       codec=self.codec, tracer=self.tracer)
         self.router = GrpcServer(ServerOptions(port=0, grace_seconds=0))
         self.router.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, self.servicer,
                                 "pdserve.v1.GenerateService")
@@ -185,6 +190,7 @@ def test_token_one_first_then_decode_relay():
         assert [c.num_output_tokens for c in chunks] == list(range(1, 7))
         assert all(c.num_prompt_tokens == 3 and c.request_id == "r1" for c in chunks)
         (work,) = decode.calls
+        assert work.request_id.startswith("r1.") and prefill.calls[0].request_id == work.request_id
         assert work.generated_token_ids == want[:1] and work.handle is not None and work.handle.num_tokens == 3
         assert prefill.released == []  # the decode pod confirmed the pull itself
 
@@ -261,6 +267,23 @@ def test_decode_crash_mid_stream_is_reissued_without_duplicates():
     run(scenario())
 
 
+def test_decode_crash_before_confirming_the_pull_releases_the_hold_and_recomputes():
+    async def scenario():
+        prefill = FakePrefill()
+        crashing, healthy = FakeDecode(fail_after=0), FakeDecode()
+        async with Cluster([prefill], [crashing, healthy]) as cluster:
+            runs = [await cluster.generate([8], max_tokens=5) for _ in range(2)]
+            await cluster.servicer.drain()
+        assert all(tokens(chunks) == expected_output([8], 5) for chunks in runs)
+        assert len(crashing.calls) == 1 and crashing.calls[0].handle is not None
+        reissue = [w for w in healthy.calls if w.handle is None]
+        assert len(reissue) == 1 and reissue[0].generated_token_ids == expected_output([8], 1)
+        # The crashed pod never confirmed the pull: the router freed the hold rather than wait for the lease.
+        assert prefill.released == [crashing.calls[0].request_id]
+
+    run(scenario())
+
+
 def test_decode_server_dying_mid_stream_is_reissued():
     async def scenario():
         decodes = [FakeDecode(delay_s=0.05), FakeDecode(delay_s=0.05)]
@@ -288,7 +311,8 @@ def test_no_healthy_decode_gives_unavailable_and_releases_the_hold():
             await cluster.servicer.drain()
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "no healthy decode worker" in info.value.details()
-        assert prefill.released == ["lost"]
+        # Downstream ids are the client's id plus a suffix (two clients may choose the same id).
+        assert len(prefill.released) == 1 and prefill.released[0].startswith("lost.")
 
     run(scenario())
 
@@ -347,10 +371,22 @@ def test_deadline_is_propagated_and_enforced():
     run(scenario())
 
 
-def test_client_cancellation_reaches_decode_and_frees_nothing_twice():
+def test_calls_without_a_deadline_get_the_router_default():
     async def scenario():
-        decode = FakeDecode(delay_s=0.05)
-        async with Cluster([FakePrefill()], [decode]) as cluster:
+        decode = FakeDecode(delay_s=0.2)
+        async with Cluster([FakePrefill()], [decode], request_timeout_s=0.8) as cluster:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await cluster.generate([1], max_tokens=50)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert decode.time_remaining[0] is not None and decode.time_remaining[0] <= 0.9
+
+    run(scenario())
+
+
+def test_client_cancellation_reaches_decode():
+    async def scenario():
+        prefill, decode = FakePrefill(), FakeDecode(delay_s=0.05)
+        async with Cluster([prefill], [decode]) as cluster:
             received = []
             stream = cluster.client.generate([2], max_tokens=1000)
             async for chunk in stream:
@@ -360,6 +396,31 @@ def test_client_cancellation_reaches_decode_and_frees_nothing_twice():
             await stream.aclose()
             await asyncio.wait_for(decode.cancelled.wait(), 5)
         assert received == expected_output([2], 3)
+        assert prefill.released == []  # the decode pod had confirmed the pull: the hold is its business
+
+    run(scenario())
+
+
+def test_cancellation_during_prefill_reaches_the_prefill_pod():
+    class SlowPrefill(FakePrefill):
+        def __init__(self):
+            super().__init__()
+            self.cancelled = asyncio.Event()
+
+        async def Prefill(self, request, context):
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+
+    async def scenario():
+        prefill = SlowPrefill()
+        async with Cluster([prefill], [FakeDecode()]) as cluster:
+            task = asyncio.create_task(cluster.generate([2], max_tokens=5))
+            await asyncio.sleep(0.3)
+            task.cancel()
+            await asyncio.wait_for(prefill.cancelled.wait(), 5)
 
     run(scenario())
 
@@ -383,6 +444,12 @@ def test_text_prompt_and_incremental_text(tmp_path):
     assert tokens(chunks) == want
     assert "".join(c.text for c in chunks).split() == [f"w{t}" for t in want]
     assert chunks[0].num_prompt_tokens == 2
+
+
+def test_resolve_dns_returns_host_port_strings():
+    addresses = run(resolve_dns("localhost", 7000))
+    assert "127.0.0.1:7000" in addresses
+    assert all(a.endswith(":7000") for a in addresses)
 
 
 def test_dns_names_resolve_to_every_address_and_refresh():
@@ -426,7 +493,7 @@ def test_dns_names_resolve_to_every_address_and_refresh():
     run(scenario())
 
 
-def test_sync_client_and_router_main_process():
+def test_sync_client_and_router_main_process(tmp_path):
     """`python -m router` starts, serves Generate through fake pods, and exits cleanly on SIGTERM."""
 
     async def start_pods():
@@ -436,21 +503,30 @@ def test_sync_client_and_router_main_process():
                              "pdserve.v1.DecodeService")
         return p, d
 
+    log_path = tmp_path / "router.log"
+
     async def scenario():
         prefill, decode = await start_pods()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "router", "--port", "0", "--prefill", prefill.address, "--decode", decode.address,
-            cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            sys.executable, "-m", "router", "--port", "0", "--metrics-port", "0",
+            "--prefill", prefill.address, "--decode", decode.address,
+            cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=log,
         )
         try:
             line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-            assert line.startswith("router listening on "), line
+            assert line.startswith("router listening on "), (line, log_path.read_text())
             address = line.split()[3]
+            metrics_url = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().split()[-1]
+            async with grpc.aio.insecure_channel(address) as channel:
+                health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING  # both tiers have a healthy worker
             # The blocking client runs in a thread so the fake pods in this loop keep serving.
             def call():
                 with PdserveClient(address) as client:
                     return [t for c in client.generate([4, 2], max_tokens=5, timeout=10) for t in c.token_ids]
             assert await asyncio.to_thread(call) == expected_output([4, 2], 5)
+            scrape = await asyncio.to_thread(lambda: urllib.request.urlopen(metrics_url, timeout=5).read().decode())
+            assert 'pdserve_router_requests_total{outcome="ok"} 1.0' in scrape
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.wait_for(proc.wait(), 20) == 0
         finally:
@@ -460,4 +536,33 @@ def test_sync_client_and_router_main_process():
             await prefill.stop(0)
             await decode.stop(0)
 
+    with open(log_path, "w") as log:
+        run(scenario())
+
+
+def test_route_decisions_are_traced():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    async def scenario():
+        async with Cluster([FakePrefill()], [FakeDecode()], tracer=provider.get_tracer("test")) as cluster:
+            await cluster.generate([1, 2], max_tokens=3)
+
     run(scenario())
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert spans["route prefill"].attributes["pdserve.worker"].startswith("127.0.0.1:")
+    assert spans["route decode"].attributes["pdserve.policy"] == "round-robin"
+
+
+def test_bad_tokenizer_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="tokenizer file not found"):
+        TextCodec.from_path(str(tmp_path / "missing.json"))
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("not json")
+    with pytest.raises(ValueError, match="cannot load tokenizer"):
+        TextCodec.from_path(str(bad))

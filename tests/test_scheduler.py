@@ -10,8 +10,8 @@ from unittest.mock import Mock
 import pytest
 
 from sched_utils import EOS_TOKEN_ID, create_requests, create_scheduler
-from shared.request import PlaceholderRange, RequestStatus
-from shared.sched.output import CachedRequestData, ModelRunnerOutput, SchedulerOutput
+from shared.request import FinishReason, PlaceholderRange, RequestStatus
+from shared.sched.output import CachedRequestData, KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from shared.sched.scheduler import Scheduler
 
 NUM_PREALLOCATE_BLOCKS = 0
@@ -643,3 +643,162 @@ def test_kv_connector_handles_preemption():
     _ = scheduler.update_from_output(output, MODEL_RUNNER_OUTPUT)
     assert len(scheduler.running) == 0
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
+
+
+# ---- beyond the spec ------------------------------------------------------------------------------
+
+
+def _run_to_completion(scheduler: Scheduler, token: int = 7, max_steps: int = 500) -> None:
+    for _ in range(max_steps):
+        if not scheduler.has_requests():
+            return
+        out = scheduler.schedule()
+        ids = list(out.num_scheduled_tokens)
+        sampled = [[token] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else []
+                   for r in ids]
+        scheduler.update_from_output(out, _runner_output(ids, sampled))
+    raise AssertionError("did not finish")
+
+
+def test_add_request_validation():
+    scheduler = create_scheduler(max_num_batched_tokens=64, max_model_len=64)
+    (request,) = create_requests(num_requests=1)
+    scheduler.add_request(request)
+    with pytest.raises(ValueError, match="already scheduled"):
+        scheduler.add_request(request)
+    with pytest.raises(ValueError, match="max_model_len"):
+        scheduler.add_request(create_requests(num_requests=1, num_tokens=64, req_ids=["long"])[0])
+    with pytest.raises(ValueError, match="finished status"):
+        scheduler.finish_requests("0", RequestStatus.RUNNING)
+
+
+def test_max_num_seqs_and_fcfs_order():
+    scheduler = create_scheduler(max_num_seqs=3)
+    requests = create_requests(num_requests=5, max_tokens=2)
+    for request in requests:
+        scheduler.add_request(request)
+    output = scheduler.schedule()
+    assert [r.req_id for r in output.scheduled_new_reqs] == ["0", "1", "2"]
+    scheduler.update_from_output(output, _runner_output(["0", "1", "2"], [[7], [7], [7]]))
+    _run_to_completion(scheduler)
+    assert all(r.num_output_tokens == 2 for r in requests)
+    assert scheduler.kv_cache_manager.get_num_free_blocks() == 9999
+
+
+def test_preempted_request_resumes_as_new_with_all_tokens():
+    # 5 usable blocks of 4 tokens; two requests outgrow them and the later one is preempted.
+    scheduler = create_scheduler(num_blocks=6, block_size=4, max_num_seqs=2)
+    requests = create_requests(num_requests=2, num_tokens=6, max_tokens=8)
+    for request in requests:
+        scheduler.add_request(request)
+    resumed = None
+    for _ in range(100):
+        if not scheduler.has_requests():
+            break
+        out = scheduler.schedule()
+        if out.preempted_req_ids:
+            assert out.preempted_req_ids == {"1"} and requests[1].status == RequestStatus.PREEMPTED
+            assert scheduler.kv_cache_manager.get_block_ids("1") == []
+        for new in out.scheduled_new_reqs:
+            if new.req_id == "1" and requests[1].num_preemptions:
+                resumed = new
+        ids = list(out.num_scheduled_tokens)
+        sampled = [[5] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else []
+                   for r in ids]
+        scheduler.update_from_output(out, _runner_output(ids, sampled))
+    assert requests[1].num_preemptions >= 1 and resumed is not None
+    # The resumed request re-sends its whole sequence, prompt plus the tokens it had generated.
+    assert len(resumed.prefill_token_ids) > requests[1].num_prompt_tokens
+    assert resumed.prefill_token_ids[:6] == [1] * 6
+    assert len(resumed.block_ids) * 4 >= resumed.num_computed_tokens + out.num_scheduled_tokens.get("1", 0)
+    assert all(r.num_output_tokens == 8 for r in requests)
+    assert scheduler.kv_cache_manager.get_num_free_blocks() == 5
+
+
+def test_reset_prefix_cache():
+    scheduler = create_scheduler(enable_prefix_caching=True)
+    requests = create_requests(num_requests=2, num_tokens=40, max_tokens=3)
+    for request in requests:
+        scheduler.add_request(request)
+    scheduler.update_from_output(out := scheduler.schedule(), _runner_output(list(out.num_scheduled_tokens), [[7], [7]]))
+    assert scheduler.reset_prefix_cache() is False  # blocks in use
+    assert scheduler.reset_prefix_cache(reset_running_requests=True) is True
+    assert all(r.status == RequestStatus.PREEMPTED for r in requests)
+    assert scheduler.kv_cache_manager.block_pool.num_cached_blocks == 0
+    out = scheduler.schedule()
+    assert out.preempted_req_ids == {"0", "1"}
+    # Resumed with their whole sequence, nothing cached any more.
+    assert {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs} == {"0": 0, "1": 0}
+    assert out.num_scheduled_tokens == {"0": 41, "1": 41}
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_sync_kv_load_failure(policy):
+    scheduler = create_scheduler(enable_prefix_caching=True, use_kv_connector=True, block_size=4)
+    scheduler.kv_load_failure_policy = type(scheduler.kv_load_failure_policy)(policy)
+    _mock_external_hit(scheduler, 8)
+    (request,) = create_requests(num_requests=1, num_tokens=12, max_tokens=3)
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"0": 4}
+    bad_block = scheduler.kv_cache_manager.get_block_ids("0")[1]
+    runner_out = _runner_output(["0"], [[7]])
+    runner_out.kv_connector_output = KVConnectorOutput(invalid_block_ids={bad_block})
+    result = scheduler.update_from_output(out, runner_out)
+    if policy == "fail":
+        assert request.status == RequestStatus.FINISHED_ERROR
+        assert [o.finish_reason for o in result.outputs] == [FinishReason.ERROR]
+    else:
+        # The token sampled on bad KV is dropped; recomputed from the first bad block (the good
+        # first block is still a prefix hit).
+        assert request.num_output_tokens == 0 and request.status == RequestStatus.PREEMPTED
+        scheduler.connector.get_num_new_matched_tokens.return_value = (0, False)
+        out = scheduler.schedule()
+        assert out.num_scheduled_tokens == {"0": 8}
+        assert out.scheduled_new_reqs[0].num_computed_tokens == 4
+        scheduler.update_from_output(out, _runner_output(["0"], [[7]]))
+        _run_to_completion(scheduler)
+        assert request.num_output_tokens == 3
+    assert scheduler.kv_cache_manager.get_num_free_blocks() == 9999
+
+
+def test_scheduler_eos_default_and_stats():
+    scheduler = create_scheduler()
+    from shared.request import Request, SamplingParams
+
+    request = Request("x", [5, 6, 7], SamplingParams(max_tokens=10), eos_token_id=None)
+    scheduler.add_request(request)
+    assert request.eos_token_id == EOS_TOKEN_ID
+    out = scheduler.schedule()
+    result = scheduler.update_from_output(out, _runner_output(["x"], [[EOS_TOKEN_ID]]))
+    assert result.outputs[0].finish_reason == FinishReason.STOP and result.outputs[0].stop_reason is None
+    stats = result.scheduler_stats
+    assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage) == (0, 0, 0.0)
+    assert result.finished_requests == {"x"}
+
+
+def test_config_validation():
+    from shared.config import CacheConfig, KVTransferConfig, SchedulerConfig
+    from shared.kv_transfer.connector import KVLoadFailurePolicy, KVRole
+
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="max_mm_input_tokens"):
+        SchedulerConfig(max_num_batched_tokens=100, disable_chunked_mm_input=True, max_mm_input_tokens=576)
+    with pytest.raises(ValueError, match="speculative_method"):
+        SchedulerConfig(num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="chunked prefill"):
+        SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=512, max_model_len=1024)
+    with pytest.raises(ValueError, match="block_size"):
+        CacheConfig(block_size=0)
+    with pytest.raises(ValueError, match="num_blocks"):
+        CacheConfig(num_blocks=1)
+    with pytest.raises(ValueError, match="kv_role"):
+        KVTransferConfig(kv_role="kv_sideways")
+    with pytest.raises(ValueError, match="kv_load_failure_policy"):
+        KVTransferConfig(kv_load_failure_policy="retry")
+    with pytest.raises(ValueError, match="kv_lease_s"):
+        KVTransferConfig(kv_lease_s=0)
+    config = KVTransferConfig(kv_role="kv_consumer", kv_load_failure_policy="fail")
+    assert config.kv_role is KVRole.CONSUMER and config.kv_load_failure_policy is KVLoadFailurePolicy.FAIL
+    assert SchedulerConfig(max_num_batched_tokens=512).encoder_budget == 512

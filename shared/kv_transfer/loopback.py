@@ -30,8 +30,8 @@ class LoadSpec:
     """One request's load this step: remote blocks -> local blocks."""
 
     request_id: str
-    remote_engine_id: str
-    remote_request_id: str
+    remote_engine_id: str | None
+    remote_request_id: str | None
     remote_block_ids: list[int]
     local_block_ids: list[int]
 
@@ -125,6 +125,11 @@ class LoopbackConnector(KVConnectorBase):
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         params = self._remote(request)
         if params is None:
+            if num_external_tokens > 0:
+                # External tokens without a handle (a subclass or test decided them): a load
+                # entry without a source, which start_load_kv reports as failed.
+                first = (request.num_computed_tokens) // self.block_size
+                self._loads.append(LoadSpec(request.request_id, None, None, [], list(block_ids[first:])))
             return
         params["do_remote_prefill"] = False  # one pull per handle; a later resume recomputes
         key = (params["remote_engine_id"], params["remote_request_id"])
@@ -151,6 +156,11 @@ class LoopbackConnector(KVConnectorBase):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         params = request.kv_transfer_params
+        remote = self._remote(request)
+        if remote is not None:
+            # Ended before its pull was scheduled (abort): the producer must not hold for nobody.
+            remote["do_remote_prefill"] = False
+            self.store.release(remote["remote_engine_id"], remote["remote_request_id"])
         if self.role == KVRole.CONSUMER or not params or not params.get("do_remote_decode"):
             return False, None
         # Only a request capped at its hand-off token continues on the peer; a stop (EOS, stop
@@ -184,6 +194,10 @@ class LoopbackConnector(KVConnectorBase):
         for engine_id, request_id in getattr(metadata, "releases", ()):
             self.store.release(engine_id, request_id)
         for load in metadata.requests:
+            if load.remote_engine_id is None:
+                self._bad_block_ids.update(load.local_block_ids)
+                self._finished_recving.add(load.request_id)
+                continue
             hold = self.store.take(load.remote_engine_id, load.remote_request_id)
             ok = hold is not None and self._copy(hold.producer, load)
             # Release even on failure: the producer must not keep blocks nobody will read.

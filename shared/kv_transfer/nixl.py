@@ -48,6 +48,7 @@ class _Pull:
     num_cached_blocks: int
     transfer: KvTransfer | None = None
     is_aborted: bool = False  # the request ended while its READ was in flight
+    is_confirming: bool = False  # READ over (or abandoned), ReleaseKv asked
     error: str | None = None
 
 
@@ -242,7 +243,6 @@ class NixlConnector(KVConnectorBase):
         except (KvTransferError, ValueError) as exc:
             logger.warning("posting the pull of %s failed: %s", pull.request_id, exc)
             pull.error = str(exc)
-            self._release_remote(pull.handle, pull.request_id)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.role is KVRole.PRODUCER:
@@ -256,23 +256,22 @@ class NixlConnector(KVConnectorBase):
     def _poll_pulls(self) -> None:
         now = time.monotonic()
         for pull in list(self._pulls.values()):
-            if pull.error is not None or pull.transfer is None or pull.request_id in self._confirmations:
+            if pull.is_confirming:
                 continue
-            if pull.transfer.finished_at is not None:
-                continue  # done, awaiting ReleaseKv's answer
-            state = self.agent.poll(pull.transfer)
-            if state is TransferState.PENDING and now - pull.transfer.started_at > self.transfer_timeout_s:
-                if self.agent.release(pull.transfer):
+            if pull.error is None:
+                state = self.agent.poll(pull.transfer)  # a READ may have completed when posted
+                if state is TransferState.PENDING:
+                    if now - pull.transfer.started_at <= self.transfer_timeout_s:
+                        continue
+                    if not self.agent.release(pull.transfer):
+                        continue  # NIXL cannot cancel it yet: the blocks may still be written
                     pull.error = f"pull timed out after {self.transfer_timeout_s} s"
-                    self._release_remote(pull.handle, pull.request_id)
-                continue
-            if state is TransferState.DONE:
-                self.agent.release(pull.transfer)
-                self._release_remote(pull.handle, pull.request_id)
-            elif state is TransferState.ERROR:
-                self.agent.release(pull.transfer)
-                pull.error = pull.transfer.error or "transfer failed"
-                self._release_remote(pull.handle, pull.request_id)
+                else:
+                    self.agent.release(pull.transfer)
+                    if state is TransferState.ERROR:
+                        pull.error = pull.transfer.error or "transfer failed"
+            pull.is_confirming = True
+            self._release_remote(pull.handle, pull.request_id)
 
     def on_release_result(self, request_id: str, intact: bool) -> None:
         """ReleaseKv's answer for a pull (any thread); intact=False also when the call failed."""

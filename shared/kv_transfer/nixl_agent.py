@@ -187,11 +187,14 @@ class KvTransferAgent:
             raise KvTransferError(f"NIXL backend(s) {missing} are not available to agent {name!r}")
         self._pool: _Pool | None = None
         self._reg_descs = None
+        self._kv_tensors: list = []
         self._peers: dict[str, KvSource] = {}
+        self._failed_peers: set[str] = set()
         self._open_transfers: list[KvTransfer] = []
         self._notifs: dict[str, list[bytes]] = {}
         self.num_bytes_read = 0
         self.num_transfers = 0
+        self.num_failed_transfers = 0
         self._is_closed = False
 
     # ---- local pool ----------------------------------------------------------------------
@@ -207,6 +210,8 @@ class KvTransferAgent:
         except Exception as exc:  # NIXL raises its own exception types; surface one of ours
             raise KvTransferError(f"registering {len(descs)} KV tensors failed: {exc!r}") from exc
         self._pool = pool
+        # Registered memory must outlive the registration: freeing it first corrupts the heap at teardown.
+        self._kv_tensors = list(kv_tensors)
         return self.kv_source()
 
     def kv_source(self) -> KvSource:
@@ -232,7 +237,8 @@ class KvTransferAgent:
         _check_compatible(pool, source)
         cached = self._peers.get(source.agent_name)
         if cached is not None:
-            if cached.agent_metadata == source.agent_metadata and cached.regions == source.regions:
+            is_same = cached.agent_metadata == source.agent_metadata and cached.regions == source.regions
+            if is_same and source.agent_name not in self._failed_peers:
                 return
             self.remove_peer(source.agent_name)
         try:
@@ -246,10 +252,18 @@ class KvTransferAgent:
             raise ValueError(f"metadata belongs to agent {loaded_name!r}, not {source.agent_name!r}")
         self._peers[source.agent_name] = source
 
+    def is_peer_failed(self, peer_name: str) -> bool:
+        """A transfer from this peer failed: remove_peer() and add_peer() a fresh KvSource before reading again."""
+        return peer_name in self._failed_peers
+
     def remove_peer(self, peer_name: str) -> None:
-        """Forget a peer (restarted or gone) and drop the connection to it."""
-        if self._peers.pop(peer_name, None) is None:
+        """Forget a peer (restarted or gone): cancel its open transfers and drop the connection to it."""
+        if peer_name not in self._peers:
             return
+        for transfer in [t for t in self._open_transfers if t.peer_name == peer_name]:
+            self.release(transfer)
+        del self._peers[peer_name]
+        self._failed_peers.discard(peer_name)
         try:
             self._agent.remove_remote_agent(peer_name)
         except Exception:
@@ -272,6 +286,8 @@ class KvTransferAgent:
         source = self._peers.get(peer_name)
         if source is None:
             raise UnknownPeerError(f"no NIXL peer named {peer_name!r}; add_peer() it first")
+        if peer_name in self._failed_peers:
+            raise KvTransferError(f"peer {peer_name!r} failed a transfer; remove_peer() it and add_peer() a fresh KvSource")
         if not remote_block_ids:
             raise ValueError("read_blocks needs at least one block id")
         _check_block_ids("remote", remote_block_ids, source.num_blocks)
@@ -307,11 +323,13 @@ class KvTransferAgent:
         except Exception as exc:
             if handle is not None:
                 _release_quietly(handle)
+            self._mark_failed(transfer.peer_name)
             raise KvTransferError(
                 f"posting READ of {transfer.num_blocks} blocks from {transfer.peer_name!r} failed: {exc!r}"
             ) from exc
         if status == "ERR":
             _release_quietly(handle)
+            self._mark_failed(transfer.peer_name)
             raise KvTransferError(f"NIXL rejected the READ of {transfer.num_blocks} blocks from {transfer.peer_name!r}")
         if status == "DONE":
             self._finish(transfer, TransferState.DONE)
@@ -350,7 +368,11 @@ class KvTransferAgent:
             logger.warning("releasing READ from %s failed; still in flight", transfer.peer_name, exc_info=True)
             return False
         if transfer.state is TransferState.PENDING:
-            self._finish(transfer, TransferState.ERROR, "released while pending")
+            # Abandoned by the caller (deadline), not a failure NIXL reported: the peer stays usable.
+            transfer.state = TransferState.ERROR
+            transfer.error = "cancelled while pending"
+            transfer.finished_at = time.monotonic()
+            self.num_failed_transfers += 1
         transfer.handle = None
         self._open_transfers.remove(transfer)
         return True
@@ -361,11 +383,18 @@ class KvTransferAgent:
         transfer.finished_at = time.monotonic()
         if state is TransferState.DONE:
             self.num_bytes_read += transfer.num_bytes
+        else:
+            self._mark_failed(transfer.peer_name)
+
+    def _mark_failed(self, peer_name: str) -> None:
+        self.num_failed_transfers += 1
+        if peer_name in self._peers:
+            self._failed_peers.add(peer_name)
 
     # ---- serving side --------------------------------------------------------------------
     def progress(self) -> None:
         """Let UCX advance (it only does inside calls into the agent); keeps notifications for get_notifs()."""
-        if self._is_closed:
+        if self._agent is None:
             return
         for peer_name, messages in self._agent.get_new_notifs().items():
             self._notifs.setdefault(peer_name, []).extend(messages)
@@ -387,20 +416,34 @@ class KvTransferAgent:
 
     # ---- teardown ------------------------------------------------------------------------
     def close(self) -> None:
-        """Cancel open transfers, drop peers, deregister the pool. Safe to call twice."""
+        """Cancel open transfers, drop peers, deregister the pool, destroy the agent. Safe to call twice."""
         if self._is_closed:
             return
+        had_failures = self.num_failed_transfers > 0
         for transfer in list(self._open_transfers):
             self.release(transfer)
         for peer_name in list(self._peers):
             self.remove_peer(peer_name)
+        # UCX must process a failed peer's endpoint before the worker is destroyed; destroying it
+        # right after a disconnect error aborts the process (seen with nixl-cu12 1.5.1).
+        self._drain(0.3 if had_failures else 0.01)
         if self._reg_descs is not None:
             try:
                 self._agent.deregister_memory(self._reg_descs)
             except Exception:
                 logger.warning("deregistering the KV pool of %s failed", self.name, exc_info=True)
             self._reg_descs = None
+            self._kv_tensors = []
         self._is_closed = True
+        self._agent = None  # destroy the NIXL agent now, in a known order, not at interpreter exit
+
+    def _drain(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while True:
+            self.progress()
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.005)
 
     def __enter__(self) -> "KvTransferAgent":
         return self

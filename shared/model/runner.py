@@ -58,6 +58,8 @@ class ModelRunner:
         self.connector = connector
         self._seed_source = random.Random(seed)
         self.requests: dict[str, _RequestState] = {}
+        # req_id -> first prompt position whose logprobs are not reported yet (survives preemption).
+        self._prompt_logprobs_next: dict[str, int] = {}
         self._allocate_kv_cache()
         if connector is not None:
             connector.register_kv_caches(self.kv_caches)
@@ -81,6 +83,7 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            self._prompt_logprobs_next.pop(req_id, None)
         for req_id in so.preempted_req_ids or ():
             self.requests.pop(req_id, None)
         for new in so.scheduled_new_reqs:
@@ -183,10 +186,15 @@ class ModelRunner:
         for r in scheduled:
             n = len(r.input_ids)
             if r.state.sampling_params.prompt_logprobs is not None:
-                last_prompt_row = min(n, r.state.num_prompt_tokens - 1 - r.start)
-                if last_prompt_row > 0:
-                    prompt_slices[r.req_id] = (len(logit_rows), last_prompt_row, r.start)
-                    logit_rows.extend(range(row, row + last_prompt_row))
+                # Positions p in this chunk with p + 1 still a prompt token, minus any reported
+                # before a preemption (a resumed request recomputes its prompt).
+                first_pos = max(r.start, self._prompt_logprobs_next.get(r.req_id, 0))
+                end_pos = min(r.start + n, r.state.num_prompt_tokens - 1)
+                if end_pos > first_pos:
+                    prompt_slices[r.req_id] = (len(logit_rows), end_pos - first_pos, first_pos)
+                    first_row = row + first_pos - r.start
+                    logit_rows.extend(range(first_row, first_row + end_pos - first_pos))
+                    self._prompt_logprobs_next[r.req_id] = end_pos
             if r.samples:
                 k = len(r.drafts) + 1
                 sample_slices[r.req_id] = (len(logit_rows), k)
@@ -215,7 +223,7 @@ class ModelRunner:
             table = torch.tensor([(r.state.block_ids[:width] + [0] * width)[:width] for r in decodes],
                                  dtype=torch.long)
             lens = torch.tensor(context, dtype=torch.long)
-            mask = torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)
+            mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
         spans = []
         row = len(decodes)
         for r in scheduled[len(decodes):]:

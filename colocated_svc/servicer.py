@@ -1,0 +1,143 @@
+"""GenerateService on one colocated pod: the router's public API (same validation, streaming and
+statuses) with prefill and decode run by a single engine, no KV handoff."""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import grpc
+
+from proto.pdserve.v1 import generate_pb2_grpc
+from shared import convert
+from shared.engine_loop import EngineStopped
+from shared.metrics import ServiceMetrics
+from shared.pod import PodOverloaded
+from shared.pod_main import PodServicer
+from shared.request import FinishReason, Request, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class InvalidRequest(ValueError):
+    """The call's input is unusable; the message says why (-> INVALID_ARGUMENT)."""
+
+
+class _TextStream:
+    """Incremental detokenizer of one response (a character split across tokens comes out once whole)."""
+
+    def __init__(self, tokenizer):
+        from tokenizers.decoders import DecodeStream
+
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
+
+    def push(self, token_ids: list[int]) -> str:
+        pieces = []
+        for token_id in token_ids:
+            try:
+                piece = self._stream.step(self._tokenizer, token_id)
+            except Exception as exc:  # noqa: BLE001 - text is a convenience; token ids stay authoritative
+                logger.debug("cannot detokenize %d: %s", token_id, exc)
+                piece = None
+            if piece:
+                pieces.append(piece)
+        return "".join(pieces)
+
+
+class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
+    """Runs whole requests on the attached pod (role None)."""
+
+    def __init__(self, metrics: ServiceMetrics, tokenizer=None):
+        """tokenizer: a tokenizers.Tokenizer for text prompts; the model's own is used when None."""
+        super().__init__()
+        self.metrics = metrics
+        self._tokenizer = tokenizer
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is not None:
+            return self._tokenizer
+        return self.pod.tokenizer if self.pod is not None else None
+
+    async def Generate(self, request, context: grpc.aio.ServicerContext):
+        pod = await self.require_pod(context)
+        request_id = request.request_id or uuid.uuid4().hex
+        # Two clients may choose the same id; the engine keys requests by id, so make it unique.
+        engine_request_id = f"{request_id}.{uuid.uuid4().hex[:8]}" if request.request_id else request_id
+        started = time.monotonic()
+        try:
+            prompt_ids, sampling = self.validate(request)
+        except InvalidRequest as exc:
+            self.metrics.record_outcome("invalid")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        engine_request = Request(engine_request_id, prompt_ids, sampling, eos_token_id=pod.eos_token_id)
+        try:
+            stream = pod.submit(engine_request)
+        except PodOverloaded as exc:
+            self.metrics.record_outcome("overloaded")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except EngineStopped as exc:
+            self.metrics.record_outcome("error")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        text = _TextStream(self.tokenizer) if self.tokenizer is not None else None
+        num_output = 0
+        first_token_at = None
+        finish: FinishReason | None = None
+        try:
+            async for outputs in stream.batches():
+                token_ids = [t for output in outputs for t in output.new_token_ids]
+                finish = outputs[-1].finish_reason if outputs[-1].finished else None
+                if not token_ids and finish is None:
+                    continue
+                num_output += len(token_ids)
+                if token_ids and first_token_at is None:
+                    first_token_at = time.monotonic()
+                    self.metrics.ttft_seconds.observe(first_token_at - started)
+                yield convert.generate_chunk_to_proto(
+                    request_id=request_id,
+                    token_ids=token_ids,
+                    text=text.push(token_ids) if text is not None else "",
+                    finish_reason=finish,
+                    num_prompt_tokens=len(prompt_ids),
+                    num_output_tokens=num_output,
+                )
+        except EngineStopped as exc:
+            self.metrics.record_outcome("error")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except ValueError as exc:  # the engine refused the request after submit
+            self.metrics.record_outcome("invalid")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            if finish is None:
+                # Cancelled, deadline, or an error above: the engine frees the request's blocks.
+                pod.loop.abort(engine_request_id)
+        if finish is None:  # the pod is shutting down and aborted everything in flight
+            self.metrics.record_outcome("error")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the pod stopped before the request finished")
+        self.metrics.record_outcome("ok")
+        if num_output > 1:
+            self.metrics.tpot_seconds.observe((time.monotonic() - first_token_at) / (num_output - 1))
+
+    def validate(self, request) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the sampling params, or InvalidRequest saying what is wrong."""
+        try:
+            prompt = convert.generate_prompt_from_proto(request)
+            sampling = convert.sampling_params_from_proto(request.sampling if request.HasField("sampling") else None)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest(
+                    "text prompts need a tokenizer: serve a model directory with tokenizer.json "
+                    "(or pass --tokenizer), or send token_ids"
+                )
+            prompt = list(self.tokenizer.encode(prompt).ids)
+            if not prompt:
+                raise InvalidRequest("prompt text encodes to no tokens")
+        try:
+            prompt = convert.token_ids_from_proto(prompt, name="prompt token_ids", vocab_size=self.pod.vocab_size)
+            self.pod.check_prompt_fits(len(prompt))
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        return prompt, sampling

@@ -1,0 +1,35 @@
+"""Composition root of a decode pod: `python -m decode_svc --port 50071 --model tiny`."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+
+from decode_svc.config import build_arg_parser, pod_config
+from decode_svc.kv_sources import KvSourceCache
+from decode_svc.servicer import DecodeServicer
+from proto.pdserve.v1 import decode_pb2_grpc
+from shared.kv_transfer.connector import KVRole
+from shared.metrics import ServiceMetrics
+from shared.pod_main import run_pod
+
+SERVICE_NAME = "pdserve.v1.DecodeService"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_arg_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s decode %(levelname)s %(name)s: %(message)s")
+    try:
+        config = pod_config(args)
+    except ValueError as exc:
+        sys.exit(f"pdserve decode: {exc}")
+    servicer = DecodeServicer(ServiceMetrics(), KvSourceCache())
+    services = [(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, SERVICE_NAME)]
+    asyncio.run(
+        run_pod(KVRole.CONSUMER, args, config, env=dict(os.environ), service_name="decode", services=services)
+    )
+
+
+if __name__ == "__main__":
+    main()

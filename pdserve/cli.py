@@ -1,0 +1,124 @@
+"""The `pdserve` command: run one service, the whole split system on localhost, a streamed
+completion against a running router, or the serving benchmark."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import signal
+import sys
+import time
+from pathlib import Path
+
+# Subcommands that hand their argv to a service's own composition root.
+SERVICE_MODULES = {
+    "router": "router.__main__",
+    "prefill": "prefill_svc.__main__",
+    "decode": "decode_svc.__main__",
+    "colocated": "colocated_svc.__main__",
+}
+DEMO_PROMPT = [1, 15, 27, 300, 42, 7, 99, 512, 1024, 33, 5, 18]
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SERVICE_MODULES:
+        sys.exit(importlib.import_module(SERVICE_MODULES[argv[0]]).main(argv[1:]) or 0)
+    if argv and argv[0] == "bench":
+        importlib.import_module("pdserve.bench").main(argv[1:])
+        return
+    args = _parser().parse_args(argv)
+    args.run(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in SERVICE_MODULES:
+        commands.add_parser(name, help=f"run one {name} service (see `pdserve {name} --help`)", add_help=False)
+    commands.add_parser("bench", help="serving benchmark against a router (see `pdserve bench --help`)", add_help=False)
+
+    up = commands.add_parser("up", help="router + prefill + decode on 127.0.0.1 with the built-in model")
+    up.add_argument("--model", default="tiny", help="built-in preset or HF model directory (default tiny)")
+    up.add_argument("--otlp-endpoint", default=None, help="send traces of all three services to this OTLP/gRPC endpoint")
+    up.add_argument("--log-dir", type=Path, default=Path("pdserve-logs"), help="where the services' logs go")
+    up.add_argument("--demo", action="store_true", help="stream one completion through the system, then stop")
+    up.add_argument("--max-tokens", type=int, default=24, help="tokens to generate in the demo")
+    up.set_defaults(run=_run_up)
+
+    generate = commands.add_parser("generate", help="stream a completion from a running router")
+    generate.add_argument("--target", default="127.0.0.1:50051", help="router address host:port")
+    prompt = generate.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (the router needs a tokenizer)")
+    prompt.add_argument("--token-ids", help="prompt token ids, comma separated")
+    _add_sampling_flags(generate)
+    generate.set_defaults(run=_run_generate)
+    return parser
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--timeout", type=float, default=60.0, help="deadline of the whole call in seconds")
+
+
+def _run_generate(args: argparse.Namespace) -> None:
+    prompt = args.prompt if args.prompt is not None else [int(t) for t in args.token_ids.split(",") if t.strip()]
+    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    _stream(args.target, prompt, sampling, args.timeout)
+
+
+def _stream(target: str, prompt, sampling: dict, timeout: float) -> None:
+    from pdserve.client import PdserveClient
+
+    started = time.monotonic()
+    first_at = None
+    with PdserveClient(target) as client:
+        for chunk in client.generate(prompt, timeout=timeout, **sampling):
+            if first_at is None:
+                first_at = time.monotonic()
+            print(chunk.text or " ".join(map(str, chunk.token_ids)), end=" ", flush=True)
+            last = chunk
+    elapsed = time.monotonic() - started
+    print(f"\n[{last.num_output_tokens} tokens, finish {last.finish_reason}, "
+          f"TTFT {1000 * (first_at - started):.1f} ms, total {1000 * elapsed:.1f} ms]")
+
+
+def _run_up(args: argparse.Namespace) -> None:
+    from pdserve.launcher import LocalCluster
+
+    pod_args = ["--model", args.model]
+    router_args = []
+    if args.otlp_endpoint:
+        pod_args += ["--otlp-endpoint", args.otlp_endpoint]
+        router_args += ["--otlp-endpoint", args.otlp_endpoint]
+    print(f"starting router, prefill and decode (model {args.model}); logs in {args.log_dir}/", flush=True)
+    with LocalCluster.start(pod_args=pod_args, router_args=router_args, log_dir=args.log_dir) as cluster:
+        for service in cluster.services:
+            print(f"  {service.name:10s} {service.address}  (pid {service.pid})", flush=True)
+        if args.demo:
+            print(f"streaming a completion of prompt {DEMO_PROMPT} through {cluster.router.address}:", flush=True)
+            _stream(cluster.router.address, DEMO_PROMPT, dict(max_tokens=args.max_tokens, ignore_eos=True), 120.0)
+            return
+        print(f"ready: pdserve generate --target {cluster.router.address} --token-ids 1,2,3   (Ctrl-C stops)",
+              flush=True)
+        _wait_for_interrupt(cluster)
+
+
+def _wait_for_interrupt(cluster) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        while all(service.is_running() for service in cluster.services):
+            time.sleep(0.5)
+        dead = [s.name for s in cluster.services if not s.is_running()]
+        print(f"stopping: {', '.join(dead)} exited", flush=True)
+    except KeyboardInterrupt:
+        print("stopping", flush=True)
+
+
+if __name__ == "__main__":
+    main()

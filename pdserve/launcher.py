@@ -1,0 +1,177 @@
+"""Starting pdserve services as local OS processes: free ports, health waits, and stopping exactly the
+processes started here (by pid). Used by `pdserve up`, the tests and the benchmarks."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+HOST = "127.0.0.1"
+# Loading a model and registering its KV pool takes seconds; a cold CI machine can be slow.
+DEFAULT_START_TIMEOUT_S = 120.0
+
+
+def free_port(host: str = HOST) -> int:
+    """A port nothing listens on right now (the service binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    address: str
+    process: subprocess.Popen
+    log_path: Path | None = None
+    metrics_url: str | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def is_running(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM (graceful drain), then SIGKILL if it does not exit in time."""
+        if not self.is_running():
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout_s)
+
+
+def start_service(
+    name: str,
+    module: str,
+    args: Sequence[str],
+    *,
+    address: str,
+    log_dir: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> ServiceProcess:
+    """Run `python -m module args...`; output goes to log_dir/name.log (or is inherited)."""
+    log_path = None
+    stdout = None
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"{name}.log"
+        stdout = open(log_path, "wb")  # the child owns the handle; closed when we drop it
+    child_env = {**os.environ, **(env or {})}
+    # Huge pages for the KV pool make NIXL reads much faster (DESIGN.md section 3, issue 4 notes).
+    child_env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    process = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdout=stdout,
+        stderr=subprocess.STDOUT if stdout is not None else None,
+        env=child_env,
+    )
+    if stdout is not None:
+        stdout.close()
+    return ServiceProcess(name=name, address=address, process=process, log_path=log_path)
+
+
+def wait_serving(service: ServiceProcess, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
+    """Block until the standard health service says SERVING; RuntimeError if the process dies or times out."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(service.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if not service.is_running():
+                raise RuntimeError(f"{service.name} exited with {service.process.returncode}:\n{service.log_tail()}")
+            try:
+                answer = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass  # not listening yet
+            time.sleep(0.1)
+    raise RuntimeError(f"{service.name} at {service.address} not SERVING after {timeout_s} s:\n{service.log_tail()}")
+
+
+@dataclass
+class LocalCluster:
+    """Router + prefill pods + decode pods on 127.0.0.1, each its own process."""
+
+    with_metrics: bool = False  # give every service a Prometheus port (ServiceProcess.metrics_url)
+    services: list[ServiceProcess] = field(default_factory=list)
+
+    @property
+    def router(self) -> ServiceProcess:
+        return next(s for s in self.services if s.name == "router")
+
+    def by_name(self, name: str) -> ServiceProcess:
+        return next(s for s in self.services if s.name == name)
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        pod_args: Sequence[str] = (),
+        prefill_args: Sequence[str] = (),
+        decode_args: Sequence[str] = (),
+        router_args: Sequence[str] = (),
+        num_prefill: int = 1,
+        num_decode: int = 1,
+        with_metrics: bool = False,
+        log_dir: Path | None = None,
+        env: dict[str, str] | None = None,
+        timeout_s: float = DEFAULT_START_TIMEOUT_S,
+    ) -> "LocalCluster":
+        cluster = cls(with_metrics=with_metrics)
+        try:
+            prefill = [cluster._start(f"prefill-{i}", "prefill_svc", [*pod_args, *prefill_args], log_dir, env)
+                       for i in range(num_prefill)]
+            decode = [cluster._start(f"decode-{i}", "decode_svc", [*pod_args, *decode_args], log_dir, env)
+                      for i in range(num_decode)]
+            routing = [f"--prefill={','.join(s.address for s in prefill)}",
+                       f"--decode={','.join(s.address for s in decode)}"]
+            cluster._start("router", "router", [*routing, *router_args], log_dir, env)
+            for service in cluster.services:
+                wait_serving(service, timeout_s)
+        except BaseException:
+            cluster.stop()
+            raise
+        return cluster
+
+    def _start(self, name: str, module: str, args: Sequence[str], log_dir: Path | None,
+               env: dict[str, str] | None) -> ServiceProcess:
+        port = free_port()
+        args = ["--host", HOST, "--port", str(port), *args]
+        metrics_url = None
+        if self.with_metrics:
+            metrics_port = free_port()
+            args += ["--metrics-port", str(metrics_port)]
+            metrics_url = f"http://{HOST}:{metrics_port}/metrics"
+        service = start_service(name, module, args, address=f"{HOST}:{port}", log_dir=log_dir, env=env)
+        service.metrics_url = metrics_url
+        self.services.append(service)
+        return service
+
+    def stop(self) -> None:
+        for service in reversed(self.services):
+            service.stop()
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

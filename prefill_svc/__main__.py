@@ -1,0 +1,34 @@
+"""Composition root of a prefill pod: `python -m prefill_svc --port 50061 --model tiny`."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+
+from prefill_svc.config import build_arg_parser, pod_config
+from prefill_svc.servicer import PrefillServicer
+from proto.pdserve.v1 import prefill_pb2_grpc
+from shared.kv_transfer.connector import KVRole
+from shared.metrics import ServiceMetrics
+from shared.pod_main import run_pod
+
+SERVICE_NAME = "pdserve.v1.PrefillService"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_arg_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(levelname)s %(name)s: %(message)s")
+    try:
+        config = pod_config(args)
+    except ValueError as exc:
+        sys.exit(f"pdserve prefill: {exc}")
+    servicer = PrefillServicer(ServiceMetrics())
+    services = [(prefill_pb2_grpc.add_PrefillServiceServicer_to_server, servicer, SERVICE_NAME)]
+    asyncio.run(
+        run_pod(KVRole.PRODUCER, args, config, env=dict(os.environ), service_name="prefill", services=services)
+    )
+
+
+if __name__ == "__main__":
+    main()

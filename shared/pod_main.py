@@ -1,0 +1,140 @@
+"""What the prefill and decode composition roots share: pod flags, and running a pod behind its gRPC
+server (tracing, metrics endpoint, health flipped to SERVING once the model and KV pool are ready)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+from typing import Any, Callable, Mapping, Sequence
+
+import grpc
+
+from shared.grpc_server import GrpcServer, ServerOptions
+from shared.kv_transfer.connector import KVLoadFailurePolicy, KVRole
+from shared.metrics import ServiceMetrics, start_metrics_server
+from shared.pod import Pod, PodConfig
+from shared.telemetry import TracingConfig, setup_tracing
+
+logger = logging.getLogger(__name__)
+
+# How often the pod's load gauges are refreshed for Prometheus.
+GAUGE_INTERVAL_S = 0.5
+
+
+def add_pod_flags(parser: argparse.ArgumentParser, *, default_port: int) -> None:
+    defaults = PodConfig()
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=default_port, help=f"gRPC port (0 = any free; default {default_port})")
+    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = any free; off if unset)")
+    parser.add_argument("--otlp-endpoint", default=None, help="OTLP/gRPC trace endpoint, e.g. http://127.0.0.1:4317")
+    parser.add_argument("--otel-sampling-ratio", type=float, default=None, help="trace sampling ratio in [0, 1]")
+    parser.add_argument("--model", default=defaults.model, help="built-in preset (tiny, 100m) or an HF model directory")
+    parser.add_argument("--dtype", default=defaults.dtype, choices=("float32", "bfloat16"))
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the built-in random weights")
+    parser.add_argument("--block-size", type=int, default=defaults.block_size)
+    parser.add_argument("--num-blocks", type=int, default=defaults.num_blocks, help="KV blocks in the pool")
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
+    parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    parser.add_argument("--max-requests-in-flight", type=int, default=defaults.max_requests_in_flight)
+
+
+def pod_config_from_args(args: argparse.Namespace, **role_settings: Any) -> PodConfig:
+    return PodConfig(
+        model=args.model,
+        dtype=args.dtype,
+        seed=args.seed,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_requests_in_flight=args.max_requests_in_flight,
+        **role_settings,
+    )
+
+
+def parse_failure_policy(value: str) -> KVLoadFailurePolicy:
+    return KVLoadFailurePolicy(value)
+
+
+async def refresh_gauges(pod: Pod, metrics: ServiceMetrics) -> None:
+    num_lease_expiries = 0
+    while True:
+        if pod.connector is not None:
+            # The connector counts on the engine thread; the counter catches up here.
+            metrics.lease_expiries.inc(pod.connector.num_lease_expiries - num_lease_expiries)
+            num_lease_expiries = pod.connector.num_lease_expiries
+        load = pod.load_report()
+        metrics.set_queue(num_waiting=load.num_waiting, num_running=load.num_running)
+        metrics.set_kv_blocks(
+            num_used=load.num_total_blocks - load.num_free_blocks,
+            num_free=load.num_free_blocks,
+            num_held_for_peer=load.num_held_blocks,
+        )
+        await asyncio.sleep(GAUGE_INTERVAL_S)
+
+
+class PodServicer:
+    """Base of the pod servicers: registered before the model loads, attached to the pod once ready."""
+
+    def __init__(self) -> None:
+        self.pod: Pod | None = None
+
+    def attach(self, pod: Pod) -> None:
+        self.pod = pod
+
+    async def require_pod(self, context) -> Pod:
+        if self.pod is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the pod is still loading its model")
+        return self.pod
+
+
+async def run_pod(
+    role: KVRole,
+    args: argparse.Namespace,
+    pod_config: PodConfig,
+    *,
+    env: Mapping[str, str],
+    service_name: str,
+    services: Sequence[tuple[Callable, PodServicer, str]],
+) -> None:
+    """Serve (health NOT_SERVING) while the pod loads, then SERVING until SIGTERM/SIGINT; then drain."""
+    tracing = setup_tracing(
+        TracingConfig.from_flags_and_env(
+            env,
+            default_service_name=f"pdserve-{role.name.lower()}",
+            otlp_endpoint=args.otlp_endpoint,
+            sampling_ratio=args.otel_sampling_ratio,
+        )
+    )
+    metrics_server = None
+    server = GrpcServer(ServerOptions(host=args.host, port=args.port), interceptors=tracing.server_interceptors())
+    for add_to_server, servicer, name in services:
+        server.add_service(add_to_server, servicer, name)
+    port = await server.start()
+    if role is KVRole.PRODUCER and not pod_config.advertise_address:
+        pod_config = dataclasses.replace(pod_config, advertise_address=f"{args.host}:{port}")
+    pod = await asyncio.get_running_loop().run_in_executor(None, Pod, role, pod_config)
+    pod.start()
+    server.on_shutdown(pod.stop)
+    for _, servicer, _ in services:
+        servicer.attach(pod)
+    metrics = services[0][1].metrics
+    if args.metrics_port is not None:
+        metrics_server = start_metrics_server(metrics.registry, args.host, args.metrics_port)
+    gauges = asyncio.ensure_future(refresh_gauges(pod, metrics))
+    await server.set_serving(True)
+    print(f"{service_name} listening on {server.address} (engine {pod.engine_id})", flush=True)
+    if metrics_server is not None:
+        print(f"{service_name} metrics at {metrics_server.url}", flush=True)
+    try:
+        await server.serve_forever()
+    finally:
+        gauges.cancel()
+        if metrics_server is not None:
+            metrics_server.stop()
+        tracing.shutdown()

@@ -1,0 +1,218 @@
+"""The split system as three OS processes on 127.0.0.1: router -> prefill -> NIXL pull -> decode.
+
+Outputs must equal the single-process engine's, the KV must really cross processes, and every block
+must be free again afterwards on both pods.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.client import PdserveClient
+from pdserve.launcher import LocalCluster
+from proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from shared import convert
+from shared.config import CacheConfig, SchedulerConfig
+from shared.engine import LLMEngine
+from shared.kv_transfer.handle import KvPullOutcome
+from shared.request import FinishReason, SamplingParams
+
+BLOCK_SIZE = 16
+LEASE_S = 3.0
+MODEL_ARGS = ["--model", "tiny", "--seed", "0", "--block-size", str(BLOCK_SIZE), "--num-blocks", "512"]
+# tiny: hidden 256, 4 layers, 4 KV heads of 32 dims, float32 -> K and V of one block, all layers.
+BYTES_PER_BLOCK = 4 * 2 * BLOCK_SIZE * 4 * 32 * 4
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with LocalCluster.start(
+        pod_args=MODEL_ARGS,
+        prefill_args=["--lease-s", str(LEASE_S)],
+        with_metrics=True,
+        log_dir=tmp_path_factory.mktemp("logs"),
+    ) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The single-process engine on the same weights."""
+    return LLMEngine("tiny", SchedulerConfig(max_model_len=2048), CacheConfig(block_size=BLOCK_SIZE, num_blocks=512))
+
+
+def _prompts(num: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 4096) for _ in range(rng.randrange(3, 120))] for _ in range(num)]
+
+
+def _generate(address: str, prompt: list[int], **sampling) -> tuple[list[int], FinishReason | None]:
+    tokens, reason = [], None
+    with PdserveClient(address) as client:
+        for chunk in client.generate(prompt, timeout=60, **sampling):
+            tokens.extend(chunk.token_ids)
+            reason = chunk.finish_reason or reason
+    return tokens, reason
+
+
+def _load(address: str, stub_type) -> common_pb2.LoadReport:
+    with grpc.insecure_channel(address) as channel:
+        return stub_type(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=5).load
+
+
+def _assert_all_blocks_free(cluster: LocalCluster, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        prefill = _load(cluster.by_name("prefill-0").address, prefill_pb2_grpc.PrefillServiceStub)
+        decode = _load(cluster.by_name("decode-0").address, decode_pb2_grpc.DecodeServiceStub)
+        loads = (prefill, decode)
+        if all(load.num_free_blocks == load.num_total_blocks and load.num_held_blocks == 0 for load in loads):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"blocks still in use: prefill {prefill}, decode {decode}")
+        time.sleep(0.1)
+
+
+def test_greedy_outputs_match_the_single_process_engine(cluster, reference):
+    prompts = _prompts(16, seed=1)
+    max_tokens = [random.Random(i).randrange(2, 24) for i in range(len(prompts))]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(
+            lambda args: _generate(cluster.router.address, args[0], max_tokens=args[1], ignore_eos=True),
+            zip(prompts, max_tokens),
+        ))
+    expected = reference.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens])
+    for (tokens, reason), want in zip(results, expected):
+        assert tokens == want.token_ids
+        assert reason == want.finish_reason == FinishReason.LENGTH
+    _assert_all_blocks_free(cluster)
+
+
+def test_seeded_sampling_matches_the_single_process_engine(cluster, reference):
+    prompts = _prompts(6, seed=2)
+    params = dict(max_tokens=12, ignore_eos=True, temperature=0.8, top_k=50, top_p=0.95)
+    seeds = [11, 12, 13, 14, 15, 16]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(
+            lambda args: _generate(cluster.router.address, args[0], seed=args[1], **params)[0],
+            zip(prompts, seeds),
+        ))
+    expected = reference.generate(prompts, [SamplingParams(seed=seed, **params) for seed in seeds])
+    assert results == [want.token_ids for want in expected]
+    assert len({tuple(tokens) for tokens in results}) > 1
+
+
+def _prefill(cluster, request_id: str, prompt: list[int], **sampling) -> prefill_pb2.PrefillResponse:
+    with grpc.insecure_channel(cluster.by_name("prefill-0").address) as channel:
+        request = convert.prefill_request_to_proto(request_id, prompt, SamplingParams(**sampling))
+        return prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(request, timeout=30)
+
+
+def _decode(cluster, request_id: str, prompt: list[int], answer, **sampling) -> list[decode_pb2.DecodeResponse]:
+    request = decode_pb2.DecodeRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        generated_token_ids=[answer.first_token_id],
+        sampling=convert.sampling_params_to_proto(SamplingParams(**sampling)),
+        handle=answer.handle,
+    )
+    with grpc.insecure_channel(cluster.by_name("decode-0").address) as channel:
+        return list(decode_pb2_grpc.DecodeServiceStub(channel).Decode(request, timeout=30))
+
+
+def test_kv_really_crosses_processes_and_bytes_match_the_blocks(cluster, reference):
+    prompt = [random.Random(3).randrange(3, 4096) for _ in range(75)]  # 5 blocks, the last one partial
+    sampling = dict(max_tokens=8, ignore_eos=True)
+    answer = _prefill(cluster, "bytes-1", prompt, **sampling)
+    assert len(answer.handle.block_ids) == 5
+    messages = _decode(cluster, "bytes-1", prompt, answer, **sampling)
+    stats = messages[0].kv_pull
+    assert stats.outcome == decode_pb2.KV_PULL_OUTCOME_PULLED
+    assert stats.num_blocks == 5
+    assert stats.num_bytes == 5 * BYTES_PER_BLOCK
+    tokens = [answer.first_token_id] + [t for m in messages for t in m.token_ids]
+    assert tokens == reference.generate([prompt], SamplingParams(**sampling))[0].token_ids
+    _assert_all_blocks_free(cluster)
+
+
+def test_partial_prefix_cache_hit_pulls_only_missing_blocks(cluster, reference):
+    shared_prefix = [random.Random(4).randrange(3, 4096) for _ in range(2 * BLOCK_SIZE)]
+    first = shared_prefix + [5, 6, 7]
+    second = shared_prefix + [random.Random(5).randrange(3, 4096) for _ in range(40)]  # 72 tokens: 5 blocks
+    sampling = dict(max_tokens=4, ignore_eos=True)
+    answer = _prefill(cluster, "prefix-1", first, **sampling)
+    _decode(cluster, "prefix-1", first, answer, **sampling)
+    answer = _prefill(cluster, "prefix-2", second, **sampling)
+    messages = _decode(cluster, "prefix-2", second, answer, **sampling)
+    stats = messages[0].kv_pull
+    assert stats.outcome == decode_pb2.KV_PULL_OUTCOME_PULLED
+    assert stats.num_cached_blocks == 2
+    assert stats.num_blocks == 3
+    assert stats.num_bytes == 3 * BYTES_PER_BLOCK
+    tokens = [answer.first_token_id] + [t for m in messages for t in m.token_ids]
+    assert tokens == reference.generate([second], SamplingParams(**sampling))[0].token_ids
+    _assert_all_blocks_free(cluster)
+
+
+def test_expired_lease_frees_prefill_blocks_and_decode_recomputes(cluster, reference):
+    prompt = _prompts(1, seed=6)[0] + [9] * 40
+    sampling = dict(max_tokens=6, ignore_eos=True)
+    answer = _prefill(cluster, "lease-1", prompt, **sampling)
+    prefill_address = cluster.by_name("prefill-0").address
+    assert _load(prefill_address, prefill_pb2_grpc.PrefillServiceStub).num_held_blocks == len(answer.handle.block_ids)
+    time.sleep(LEASE_S + 0.5)
+    load = _load(prefill_address, prefill_pb2_grpc.PrefillServiceStub)
+    assert load.num_held_blocks == 0 and load.num_free_blocks == load.num_total_blocks
+    messages = _decode(cluster, "lease-1", prompt, answer, **sampling)
+    assert messages[0].kv_pull.outcome == decode_pb2.KV_PULL_OUTCOME_RECOMPUTED_LEASE_EXPIRED
+    tokens = [answer.first_token_id] + [t for m in messages for t in m.token_ids]
+    assert tokens == reference.generate([prompt], SamplingParams(**sampling))[0].token_ids
+    _assert_all_blocks_free(cluster)
+
+
+def test_request_ended_by_token_one_never_reaches_decode(cluster):
+    decode_address = cluster.by_name("decode-0").address
+    answer = _prefill(cluster, "one-1", _prompts(1, seed=7)[0], max_tokens=1)
+    assert convert.finish_reason_from_proto(answer.finish_reason) == FinishReason.LENGTH
+    assert not answer.HasField("handle")
+    before = _decode_requests_seen(cluster)
+    tokens, reason = _generate(cluster.router.address, _prompts(1, seed=8)[0], max_tokens=1)
+    assert len(tokens) == 1 and reason == FinishReason.LENGTH
+    assert _decode_requests_seen(cluster) == before
+    assert _load(decode_address, decode_pb2_grpc.DecodeServiceStub).num_running == 0
+    _assert_all_blocks_free(cluster)
+
+
+def _decode_requests_seen(cluster) -> float:
+    """Requests the decode pod has finished, by any outcome, from its Prometheus endpoint."""
+    with urllib.request.urlopen(cluster.by_name("decode-0").metrics_url, timeout=5) as answer:
+        text = answer.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "pdserve_requests_total"
+    )
+
+
+def test_cancelled_stream_frees_blocks_on_both_pods(cluster):
+    prompt = _prompts(1, seed=9)[0]
+    cancelled = threading.Event()
+    with PdserveClient(cluster.router.address) as client:
+        stream = client.generate(prompt, max_tokens=2000, ignore_eos=True, timeout=60)
+        received = 0
+        for chunk in stream:
+            received += len(chunk.token_ids)
+            if received >= 3:
+                stream.close()  # leaving the stream cancels the call
+                cancelled.set()
+                break
+    assert cancelled.is_set()
+    _assert_all_blocks_free(cluster)
