@@ -17,7 +17,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.client import PdserveClient
 from pdserve.launcher import LocalCluster
-from proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from proto.pdserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    generate_pb2,
+    generate_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 from shared import convert
 from shared.config import CacheConfig, SchedulerConfig
 from shared.engine import LLMEngine
@@ -216,3 +224,27 @@ def test_cancelled_stream_frees_blocks_on_both_pods(cluster):
                 break
     assert cancelled.is_set()
     _assert_all_blocks_free(cluster)
+
+
+@pytest.mark.parametrize(
+    "prompt,sampling,message",
+    [
+        ([], {}, "prompt"),
+        ([1, 2, 99999], {}, "vocabulary"),
+        (list(range(3, 2100)), {}, "maximum length"),
+        ([1, 2, 3], {"temperature": -1.0}, "temperature"),
+        ([1, 2, 3], {"top_p": 0.0}, "top_p"),
+        ([1, 2, 3], {"max_tokens": 0}, "max_tokens"),
+    ],
+)
+def test_bad_input_gets_invalid_argument_and_leaves_nothing_behind(cluster, prompt, sampling, message):
+    # Raw messages: the client library would refuse these before sending.
+    request = generate_pb2.GenerateRequest(
+        request_id="bad", token_ids=generate_pb2.TokenIds(ids=prompt), sampling=common_pb2.SamplingParams(**sampling)
+    )
+    with grpc.insecure_channel(cluster.router.address) as channel, pytest.raises(grpc.RpcError) as error:
+        list(generate_pb2_grpc.GenerateServiceStub(channel).Generate(request, timeout=30))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in error.value.details()
+    _assert_all_blocks_free(cluster)
+    assert all(service.is_running() for service in cluster.services)

@@ -118,7 +118,7 @@ class KvTransfer:
     """One posted READ: its accounting, and the NIXL handle until release()."""
 
     peer_name: str
-    notif_msg: bytes
+    notif_msg: bytes  # b"" when no notification was asked for
     num_blocks: int
     num_runs: int
     num_descriptors: int
@@ -275,11 +275,13 @@ class KvTransferAgent:
         peer_name: str,
         remote_block_ids: Sequence[int],
         local_block_ids: Sequence[int],
-        notif_msg: bytes,
+        notif_msg: bytes | None = None,
     ) -> KvTransfer:
         """Post one READ of the peer's blocks into ours, all layers, contiguous runs merged.
 
-        The peer receives notif_msg once the READ completes. Returns at once; poll() the transfer.
+        With notif_msg, the peer receives it once the READ completes, and the READ only counts as
+        DONE once the notification went out, which waits for the peer's next progress() call.
+        Without it (None), DONE means the bytes have landed. Returns without waiting; poll() it.
         """
         self._check_open()
         pool = self._require_pool()
@@ -297,7 +299,7 @@ class KvTransferAgent:
         remote_descs = _run_descs(source.regions, source.block_bytes, runs, remote=True)
         transfer = KvTransfer(
             peer_name=peer_name,
-            notif_msg=bytes(notif_msg),
+            notif_msg=b"" if notif_msg is None else bytes(notif_msg),
             num_blocks=len(local_block_ids),
             num_runs=len(runs),
             num_descriptors=len(local_descs),
