@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -132,6 +133,10 @@ def write_outputs(sweeps: dict[str, list[dict]], args: argparse.Namespace, comma
     print(f"wrote {out}/sweep.json, summary.md" + ("" if args.no_plots else ", sweep.png, *_latency_cdf.png"))
 
 
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma separated: colocated, split")
@@ -144,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="environment for the services (repeatable), e.g. OMP_NUM_THREADS=1")
     parser.add_argument("--start-timeout-s", type=float, default=180.0)
     parser.add_argument("--out-dir", type=Path, default=Path("out/serving_sweep"))
+    parser.set_defaults(request_timeout_s=120.0)  # a stuck system shows up as failures, not a hang
     args = parser.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(systems) - set(SYSTEMS))
@@ -158,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad_env:
         parser.error(f"--env takes KEY=VALUE, got {bad_env}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    # SIGTERM unwinds like Ctrl-C, so the services started here are stopped on the way out.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     command = "python benchmarks/serving_sweep.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     sweeps = {system: sweep_system(system, args, rates) for system in systems}
     write_outputs(sweeps, args, command)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Callable
 
 import grpc
+from opentelemetry import context as otel_context
 
 from proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from shared import convert
@@ -30,6 +32,15 @@ class KvSourceCache:
         self._sources: dict[str, KvSource] = {}
         self._tasks: set[asyncio.Task] = set()
         self.on_release_result = None  # set by the composition root: (request_id, intact) -> None
+        # Set when tracing is on: the trace context a request's ReleaseKv runs in (None: none known).
+        # Releases start on the engine thread, outside any request's context.
+        self.release_context: Callable[[str], otel_context.Context | None] | None = None
+
+    def use_interceptors(self, interceptors) -> None:
+        """Client interceptors (tracing) for the channels opened from now on."""
+        if self._channels:
+            raise RuntimeError("interceptors must be set before the first channel is opened")
+        self._interceptors = list(interceptors)
 
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
         channel = self._channels.get(address)
@@ -72,6 +83,8 @@ class KvSourceCache:
 
     async def _release(self, handle: KvHandle, request_id: str, report: bool) -> None:
         intact = False
+        context = self.release_context(request_id) if self.release_context is not None else None
+        token = otel_context.attach(context) if context is not None else None
         try:
             answer = await self._stub(handle.source_address).ReleaseKv(
                 prefill_pb2.ReleaseKvRequest(request_id=request_id, engine_id=handle.engine_id),
@@ -82,6 +95,9 @@ class KvSourceCache:
             logger.warning("ReleaseKv(%s) at %s failed: %s", request_id, handle.source_address, exc.code())
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
                 self._sources.pop(handle.engine_id, None)  # the engine may be gone; describe it afresh
+        finally:
+            if token is not None:
+                otel_context.detach(token)
         if report and self.on_release_result is not None:
             self.on_release_result(request_id, intact)
 

@@ -1,27 +1,48 @@
 """DecodeService: continues a request from its prompt and token 1, pulling the prompt's KV from the
-prefill pod over NIXL (or recomputing it), and streams every token ready since the last message."""
+prefill pod over NIXL (or recomputing it), and streams every token ready since the last message.
+Traces each call (kv-pull, decode-queue, decode) and counts it by outcome."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from proto.pdserve.v1 import common_pb2, decode_pb2_grpc
 from shared import convert
-from shared.engine_loop import EngineStopped
+from shared.engine_loop import EngineStopped, RequestStream
 from shared.kv_transfer.handle import KvPullOutcome, KvPullStats
 from shared.kv_transfer.nixl import REMOTE_HANDLE, REMOTE_SOURCE
 from shared.metrics import ServiceMetrics
 from shared.pod import PodOverloaded
 from shared.pod_main import PodServicer
-from shared.request import Request
+from shared.request import FinishReason, Request
+from shared.telemetry import SpanAttr
 
 from decode_svc.kv_sources import KvSourceCache, KvSourceUnavailable
 
 logger = logging.getLogger(__name__)
+
+# kv-pull outcome of a pull the request's end cut short.
+PULL_ABORTED = "aborted"
+# Requests that ended mid-pull still confirm the pull (ReleaseKv) later; their trace context waits
+# here for that call, bounded in case a confirmation never comes.
+MAX_LATE_RELEASES = 1024
+
+
+@dataclass
+class _DecodeTrace:
+    """One traced Decode call: the parent of its spans, and the kv-pull span once a pull is under way
+    (started when the ReleaseKv confirmation goes out, so that call nests under it)."""
+
+    parent: otel_context.Context
+    stream: RequestStream | None = None
+    pull_span: trace.Span | None = None
 
 
 class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
@@ -29,6 +50,15 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
         super().__init__()
         self.metrics = metrics
         self.sources = sources
+        self._traces: dict[str, _DecodeTrace] = {}
+        self._late_releases: dict[str, otel_context.Context] = {}
+
+    def use_tracing(self, tracing) -> None:
+        super().use_tracing(tracing)
+        # GetKvSource and ReleaseKv continue the request's trace.
+        self.sources.use_interceptors(tracing.client_interceptors())
+        if tracing.is_enabled:
+            self.sources.release_context = self._release_context
 
     def attach(self, pod) -> None:
         super().attach(pod)
@@ -40,54 +70,94 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
         )
         self.sources.on_release_result = pod.connector.on_release_result
 
+    async def close(self) -> None:
+        await self.sources.close()
+
     async def Decode(self, request, context: grpc.aio.ServicerContext):
-        await self.require_pod(context)
+        await self.admit(context)
         started = time.monotonic()
-        try:
-            work = convert.decode_request_from_proto(request, vocab_size=self.pod.vocab_size)
-            self.pod.check_prompt_fits(len(work.prompt_token_ids) + len(work.generated_token_ids))
-        except ValueError as exc:
-            self.metrics.record_outcome("invalid")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        engine_request, early_stats = await self._engine_request(work)
-        try:
-            stream = self.pod.submit(engine_request)
-        except PodOverloaded as exc:
-            self.metrics.record_outcome("overloaded")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        except EngineStopped as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        finished = False
-        is_first = True
+        parent = self.trace_parent()
+        outcome = "cancelled"  # the caller went away, unless something below decides otherwise
+        request_id = None
+        traced: _DecodeTrace | None = None
+        stream: RequestStream | None = None
+        finish_reason: FinishReason | None = None
         num_tokens = 0
         first_token_at = None
         try:
-            async for outputs in stream.batches():
-                token_ids = [t for output in outputs for t in output.new_token_ids]
-                finish_reason = outputs[-1].finish_reason
-                finished = finish_reason is not None
-                chunk = convert.DecodeChunk(token_ids=token_ids, finish_reason=finish_reason)
-                if is_first:
-                    stats = self.pod.connector.pop_pull_stats(work.request_id) or early_stats
-                    self.metrics.record_transfer(stats.num_bytes, stats.seconds)
-                    chunk = dataclasses.replace(chunk, kv_pull=stats)
-                    is_first = False
-                if token_ids and first_token_at is None:
-                    first_token_at = time.monotonic()
-                    self.metrics.ttft_seconds.observe(first_token_at - started)
-                num_tokens += len(token_ids)
-                yield convert.decode_chunk_to_proto(chunk)
-        except EngineStopped as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            try:
+                work = convert.decode_request_from_proto(request, vocab_size=self.pod.vocab_size)
+                self.pod.check_prompt_fits(len(work.prompt_token_ids) + len(work.generated_token_ids))
+            except ValueError as exc:
+                outcome = "invalid"
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            request_id = work.request_id
+            span = trace.get_current_span()
+            span.set_attribute(SpanAttr.REQUEST_ID, request_id)
+            span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(work.prompt_token_ids))
+            if parent is not None and request_id not in self._traces:
+                traced = self._traces[request_id] = _DecodeTrace(parent)
+            engine_request, early_stats = await self._engine_request(work)
+            try:
+                stream = self.pod.submit(engine_request)
+            except PodOverloaded as exc:
+                outcome = "overloaded"
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            except ValueError as exc:
+                outcome = "invalid"
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+            except EngineStopped as exc:
+                outcome = "error"
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            if traced is not None:
+                traced.stream = stream
+            is_first = True
+            try:
+                async for outputs in stream.batches():
+                    token_ids = [t for output in outputs for t in output.new_token_ids]
+                    finish_reason = outputs[-1].finish_reason
+                    chunk = convert.DecodeChunk(token_ids=token_ids, finish_reason=finish_reason)
+                    if is_first:
+                        stats = self.pod.connector.pop_pull_stats(request_id) or early_stats
+                        self.metrics.record_transfer(stats.num_bytes, stats.seconds)
+                        self._end_pull_span(request_id, stats)
+                        chunk = dataclasses.replace(chunk, kv_pull=stats)
+                        is_first = False
+                    if token_ids and first_token_at is None:
+                        first_token_at = time.monotonic()
+                        ttft_s = first_token_at - started
+                        self.metrics.ttft_seconds.observe(ttft_s)
+                        span.set_attribute(SpanAttr.TTFT_S, ttft_s)
+                    num_tokens += len(token_ids)
+                    if finish_reason is not None:
+                        # Settled before the last message goes out: a caller may hang up once it has it.
+                        outcome = "error" if finish_reason is FinishReason.ERROR else "ok"
+                        self._record_finish(span, num_tokens, finish_reason, first_token_at)
+                    yield convert.decode_chunk_to_proto(chunk)
+            except EngineStopped as exc:
+                outcome = "error"
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            except ValueError as exc:  # the engine refused the request
+                outcome = "invalid"
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            if finish_reason is None:
+                # The stream ended without a finish: the pod aborted the request (shutdown).
+                outcome = "error"
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the pod stopped before the request finished")
         finally:
-            if not finished:
-                self.pod.loop.abort(work.request_id)  # cancelled: frees blocks (after any READ in flight)
-                self.metrics.record_outcome("cancelled")
-        self.metrics.record_outcome("ok")
-        if num_tokens > 1:
-            self.metrics.tpot_seconds.observe((time.monotonic() - first_token_at) / (num_tokens - 1))
+            if stream is not None and finish_reason is None:
+                self.pod.loop.abort(request_id)  # cancelled: frees blocks (after any READ in flight)
+            self.metrics.record_outcome(outcome)
+            if traced is not None:
+                self._end_trace(request_id, traced, num_tokens, finish_reason)
+
+    def _record_finish(self, span, num_tokens: int, reason: FinishReason, first_token_at: float | None) -> None:
+        span.set_attribute(SpanAttr.NUM_OUTPUT_TOKENS, num_tokens)
+        span.set_attribute(SpanAttr.FINISH_REASON, reason.value)
+        if num_tokens > 1 and first_token_at is not None:
+            tpot_s = (time.monotonic() - first_token_at) / (num_tokens - 1)
+            self.metrics.tpot_seconds.observe(tpot_s)
+            span.set_attribute(SpanAttr.TPOT_S, tpot_s)
 
     async def _engine_request(self, work: convert.DecodeInput) -> tuple[Request, KvPullStats]:
         """The engine request continuing prompt + generated, with the handle if it can be pulled from."""
@@ -111,6 +181,60 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
             kv_transfer_params=kv_params,
         )
         return engine_request, stats
+
+    # ---- spans ---------------------------------------------------------------------------------
+    def _release_context(self, request_id: str) -> otel_context.Context | None:
+        """The context a ReleaseKv call for request_id runs in: under the request's kv-pull span."""
+        traced = self._traces.get(request_id)
+        if traced is None:
+            return self._late_releases.pop(request_id, None)
+        if traced.pull_span is None:
+            timeline = traced.stream.timeline if traced.stream is not None else None
+            start_ns = (timeline.kv_wait_started_ns or timeline.scheduled_ns) if timeline is not None else None
+            traced.pull_span = self.tracing.tracer.start_span(
+                "kv-pull", context=traced.parent, start_time=start_ns or time.time_ns(),
+                attributes={SpanAttr.REQUEST_ID: request_id},
+            )
+        return trace.set_span_in_context(traced.pull_span, traced.parent)
+
+    def _end_pull_span(self, request_id: str, stats: KvPullStats) -> None:
+        traced = self._traces.get(request_id)
+        if traced is None:
+            return
+        timeline = traced.stream.timeline if traced.stream is not None else None
+        end_ns = (timeline.computing_ns if timeline is not None else None) or time.time_ns()
+        attributes = {
+            SpanAttr.REQUEST_ID: request_id,
+            SpanAttr.KV_BYTES: stats.num_bytes,
+            SpanAttr.KV_BLOCKS: stats.num_blocks,
+            "pdserve.kv.num_cached_blocks": stats.num_cached_blocks,
+            "pdserve.kv.seconds": stats.seconds,
+            SpanAttr.KV_GBPS: stats.num_bytes / stats.seconds / 1e9 if stats.seconds > 0 else 0.0,
+            SpanAttr.KV_OUTCOME: stats.outcome.value,
+        }
+        if traced.pull_span is None:
+            if stats.outcome is KvPullOutcome.NO_HANDLE:
+                return
+            start_ns = (timeline.kv_wait_started_ns or timeline.scheduled_ns) if timeline is not None else None
+            self.record_span("kv-pull", traced.parent, start_ns or end_ns, end_ns, attributes)
+            return
+        span, traced.pull_span = traced.pull_span, None
+        span.set_attributes(attributes)
+        span.end(end_time=max(end_ns, span.start_time or 0))
+
+    def _end_trace(self, request_id: str, traced: _DecodeTrace, num_tokens: int, reason: FinishReason | None) -> None:
+        del self._traces[request_id]
+        if traced.pull_span is not None:  # the request ended before its pull did
+            traced.pull_span.set_attribute(SpanAttr.KV_OUTCOME, PULL_ABORTED)
+            traced.pull_span.end()
+            if len(self._late_releases) >= MAX_LATE_RELEASES:
+                del self._late_releases[next(iter(self._late_releases))]
+            self._late_releases[request_id] = trace.set_span_in_context(traced.pull_span, traced.parent)
+        if traced.stream is not None:
+            attributes = {SpanAttr.REQUEST_ID: request_id, SpanAttr.NUM_OUTPUT_TOKENS: num_tokens}
+            if reason is not None:
+                attributes[SpanAttr.FINISH_REASON] = reason.value
+            self.record_stage_spans("decode", traced.parent, traced.stream.timeline, attributes)
 
     async def GetLoad(self, request, context):
         await self.require_pod(context)

@@ -1,22 +1,35 @@
-"""PrefillService: computes a prompt, samples token 1, and holds the prompt's KV blocks for a decode pod."""
+"""PrefillService: computes a prompt, samples token 1, and holds the prompt's KV blocks for a decode pod.
+Traces each call (prefill-queue, prefill compute, kv-hold) and counts it by outcome."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from shared import convert
-from shared.engine_loop import EngineStopped
+from shared.engine_loop import EngineStopped, RequestStream
+from shared.kv_transfer.handle import KvHandle
 from shared.kv_transfer.nixl import DO_REMOTE_DECODE, REMOTE_HANDLE
 from shared.metrics import ServiceMetrics
 from shared.pod import PodOverloaded
 from shared.pod_main import PodServicer
 from shared.request import FinishReason, Request, SamplingParams
+from shared.telemetry import SpanAttr
 
 logger = logging.getLogger(__name__)
+
+# kv-hold span outcomes (SpanAttr.KV_OUTCOME).
+HOLD_RELEASED = "released"  # the decode pod confirmed its pull in time: the data it read is good
+HOLD_EXPIRED = "expired"  # the lease ran out first: the blocks were freed, a late pull is refused
+HOLD_ABANDONED = "abandoned"  # token 1 ended the request: nobody will pull
+HOLD_SHUTDOWN = "shutdown"  # the pod stopped while holding
 
 
 def first_token_finish_reason(
@@ -30,62 +43,92 @@ def first_token_finish_reason(
     return None
 
 
+@dataclass
+class _HoldSpan:
+    """A hold being traced: its span is recorded when the hold ends, under the Prefill SERVER span."""
+
+    parent: otel_context.Context
+    start_ns: int
+    deadline_ns: int
+    num_blocks: int
+    timer: asyncio.TimerHandle | None = None
+
+
 class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, metrics: ServiceMetrics):
         super().__init__()
         self.metrics = metrics
+        self._hold_spans: dict[str, _HoldSpan] = {}
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
-        await self.require_pod(context)
+        await self.admit(context)
         started = time.monotonic()
+        parent = self.trace_parent()
+        outcome = "cancelled"  # the caller went away, unless something below decides otherwise
+        stream: RequestStream | None = None
+        final = None
         try:
-            work = convert.prefill_request_from_proto(request, vocab_size=self.pod.vocab_size)
-            self.pod.check_prompt_fits(len(work.prompt_token_ids))
-        except ValueError as exc:
-            self.metrics.record_outcome("invalid")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        # Token 1 only: the rest is the decode pod's. The original params decide the handoff.
-        engine_request = Request(
-            work.request_id,
-            work.prompt_token_ids,
-            dataclasses.replace(work.sampling, max_tokens=1),
-            eos_token_id=self.pod.eos_token_id,
-            kv_transfer_params={DO_REMOTE_DECODE: work.sampling.max_tokens > 1},
-        )
-        final = await self._run(engine_request, context)
-        result = self._result(work, final)
-        self.metrics.ttft_seconds.observe(time.monotonic() - started)
-        self.metrics.record_outcome("ok")
-        return convert.prefill_result_to_proto(result)
-
-    async def _run(self, engine_request: Request, context: grpc.aio.ServicerContext):
-        try:
-            stream = self.pod.submit(engine_request)
-        except PodOverloaded as exc:
-            self.metrics.record_outcome("overloaded")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        except EngineStopped as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        tokens, final = [], None
-        try:
-            async for output in stream:
-                tokens.extend(output.new_token_ids)
-                final = output
-        except EngineStopped as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            try:
+                work = convert.prefill_request_from_proto(request, vocab_size=self.pod.vocab_size)
+                self.pod.check_prompt_fits(len(work.prompt_token_ids))
+            except ValueError as exc:
+                outcome = "invalid"
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            span = trace.get_current_span()
+            span.set_attribute(SpanAttr.REQUEST_ID, work.request_id)
+            span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(work.prompt_token_ids))
+            # Token 1 only: the rest is the decode pod's. The original params decide the handoff.
+            engine_request = Request(
+                work.request_id,
+                work.prompt_token_ids,
+                dataclasses.replace(work.sampling, max_tokens=1),
+                eos_token_id=self.pod.eos_token_id,
+                kv_transfer_params={DO_REMOTE_DECODE: work.sampling.max_tokens > 1},
+            )
+            try:
+                stream = self.pod.submit(engine_request)
+            except PodOverloaded as exc:
+                outcome = "overloaded"
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            except ValueError as exc:
+                outcome = "invalid"
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+            except EngineStopped as exc:
+                outcome = "error"
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            tokens = []
+            try:
+                async for output in stream:
+                    tokens.extend(output.new_token_ids)
+                    final = output
+            except EngineStopped as exc:
+                outcome = "error"
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            except ValueError as exc:  # the engine refused the request
+                outcome = "invalid"
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            if final is None:
+                outcome = "error"
+                await context.abort(grpc.StatusCode.ABORTED, "the request was aborted before token 1")
+            outcome = "error"  # until the answer is built
+            result = self._result(work, final, tokens, parent)
+            ttft_s = time.monotonic() - started
+            self.metrics.ttft_seconds.observe(ttft_s)
+            span.set_attribute(SpanAttr.TTFT_S, ttft_s)
+            span.set_attribute(SpanAttr.NUM_OUTPUT_TOKENS, 1)
+            if result.finish_reason is not None:
+                span.set_attribute(SpanAttr.FINISH_REASON, result.finish_reason.value)
+            outcome = "ok"
+            return convert.prefill_result_to_proto(result)
         finally:
-            if final is None or not final.finished:
-                # Cancelled (client gone, deadline): the engine frees the request's blocks.
-                self.pod.loop.abort(engine_request.request_id)
-                self.metrics.record_outcome("cancelled")
-        if final is None:
-            await context.abort(grpc.StatusCode.ABORTED, "the request was aborted before token 1")
-        return final, tokens
+            if stream is not None:
+                if final is None or not final.finished:
+                    # Cancelled (client gone, deadline): the engine frees the request's blocks.
+                    self.pod.loop.abort(stream.request_id)
+                self.record_stage_spans("prefill", parent, stream.timeline, {SpanAttr.REQUEST_ID: stream.request_id})
+            self.metrics.record_outcome(outcome)
 
-    def _result(self, work: convert.PrefillInput, run) -> convert.PrefillResult:
-        final, tokens = run
+    def _result(self, work: convert.PrefillInput, final, tokens: list[int], parent) -> convert.PrefillResult:
         if final.finish_reason is FinishReason.ERROR or not tokens:
             raise RuntimeError(f"prefill of {work.request_id} ended with {final.finish_reason} and no token")
         token_id = tokens[0]
@@ -94,12 +137,50 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
         reason = first_token_finish_reason(
             token_id, work.sampling, self.pod.eos_token_id, num_prompt, self.pod.max_model_len
         )
+        if handle is not None:
+            self._trace_hold(work.request_id, handle, parent)
         if reason is not None or handle is None:
             if handle is not None:
                 self.pod.connector.release(work.request_id, handle.engine_id)  # nobody will pull it
+                self._end_hold_span(work.request_id, HOLD_ABANDONED)
             return convert.PrefillResult(token_id, num_prompt, finish_reason=reason or final.finish_reason)
         return convert.PrefillResult(token_id, num_prompt, handle=handle)
 
+    # ---- kv-hold spans -------------------------------------------------------------------------
+    def _trace_hold(self, request_id: str, handle: KvHandle, parent) -> None:
+        if parent is None:
+            return
+        deadline_ns = handle.lease_deadline_unix_ms * 1_000_000
+        # The connector set the deadline to (hold start + lease) when the request finished.
+        start_ns = min(deadline_ns - int(self.pod.config.lease_s * 1e9), time.time_ns())
+        hold = _HoldSpan(parent, start_ns, deadline_ns, len(handle.block_ids))
+        self._hold_spans[request_id] = hold
+        # The connector frees an expired hold at its deadline; the span ends there too.
+        delay_s = max(0.0, (deadline_ns - time.time_ns()) / 1e9)
+        hold.timer = asyncio.get_running_loop().call_later(delay_s, self._end_hold_span, request_id, HOLD_EXPIRED)
+
+    def _end_hold_span(self, request_id: str, outcome: str) -> None:
+        hold = self._hold_spans.pop(request_id, None)
+        if hold is None:
+            return
+        if hold.timer is not None:
+            hold.timer.cancel()
+        end_ns = hold.deadline_ns if outcome == HOLD_EXPIRED else time.time_ns()
+        self.record_span(
+            "kv-hold", hold.parent, hold.start_ns, end_ns,
+            {
+                SpanAttr.REQUEST_ID: request_id,
+                SpanAttr.KV_BLOCKS: hold.num_blocks,
+                SpanAttr.KV_OUTCOME: outcome,
+                SpanAttr.KV_ENGINE_ID: self.pod.engine_id,
+            },
+        )
+
+    async def close(self) -> None:
+        for request_id in list(self._hold_spans):
+            self._end_hold_span(request_id, HOLD_SHUTDOWN)
+
+    # ---- the decode pod's calls ----------------------------------------------------------------
     async def GetKvSource(self, request, context):
         await self.require_pod(context)
         return convert.kv_source_to_proto(self.pod.kv_source())
@@ -107,6 +188,11 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
     async def ReleaseKv(self, request: prefill_pb2.ReleaseKvRequest, context):
         await self.require_pod(context)
         intact = self.pod.connector.release(request.request_id, request.engine_id)
+        if request.engine_id == self.pod.engine_id:
+            self._end_hold_span(request.request_id, HOLD_RELEASED if intact else HOLD_EXPIRED)
+        span = trace.get_current_span()
+        span.set_attribute(SpanAttr.REQUEST_ID, request.request_id)
+        span.set_attribute("pdserve.kv.intact", intact)
         return prefill_pb2.ReleaseKvResponse(intact=intact)
 
     async def GetLoad(self, request, context):

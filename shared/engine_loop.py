@@ -9,7 +9,11 @@ import asyncio
 import collections
 import logging
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any, Callable
+
+from shared.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -25,11 +29,25 @@ class EngineStopped(RuntimeError):
     """The engine loop stopped (shutdown or crash) before the request finished."""
 
 
+@dataclass
+class RequestTimeline:
+    """When one request passed each stage in the engine, as time.time_ns() values (trace spans are
+    built from them). Written on the engine thread before the output that follows each stage is
+    handed over, so a reader that has seen that output sees the value; None: not reached (yet)."""
+
+    submitted_ns: int
+    scheduled_ns: int | None = None  # first step that took it from the queue (pull posted or computing)
+    kv_wait_started_ns: int | None = None  # first step that left it waiting for remote KV
+    computing_ns: int | None = None  # first step that computed its tokens (after any pull)
+    finished_ns: int | None = None  # end of the step that produced its finished output
+
+
 class RequestStream:
     """The outputs of one request, in order, as an async iterator ending after the finished output."""
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, timeline: RequestTimeline | None = None):
         self.request_id = request_id
+        self.timeline = timeline if timeline is not None else RequestTimeline(time.time_ns())
         self._queue: asyncio.Queue = asyncio.Queue()
 
     def _put(self, item: Any) -> None:
@@ -73,6 +91,9 @@ class EngineLoop:
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
         self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}
+        # Engine thread only: requests not yet computing, and the timeline of every request in flight.
+        self._unstarted: dict[str, tuple[Any, RequestTimeline]] = {}
+        self._timelines: dict[str, RequestTimeline] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -91,7 +112,7 @@ class EngineLoop:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         stream = RequestStream(request.request_id)
         self._streams[request.request_id] = stream
-        self._send(lambda: self._add(request))
+        self._send(lambda: self._add(request, stream.timeline))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -100,7 +121,7 @@ class EngineLoop:
         if stream is None:
             return
         stream._put(None)
-        self._send(lambda: self.engine.abort_request(request_id))
+        self._send(lambda: self._abort(request_id))
 
     def call(self, fn: Callable[[Any], Any]) -> asyncio.Future:
         """Run fn(engine) on the engine thread; resolves with its result."""
@@ -172,11 +193,19 @@ class EngineLoop:
             self.error = exc
             self._loop.call_soon_threadsafe(self._fail_all, exc)
 
-    def _add(self, request) -> None:
+    def _add(self, request, timeline: RequestTimeline) -> None:
         try:
             self.engine.add_request(request)
         except ValueError as exc:  # the engine refused it: tell that request, keep serving the rest
             self._loop.call_soon_threadsafe(self._reject, request.request_id, exc)
+            return
+        self._unstarted[request.request_id] = (request, timeline)
+        self._timelines[request.request_id] = timeline
+
+    def _abort(self, request_id: str) -> None:
+        self._unstarted.pop(request_id, None)
+        self._timelines.pop(request_id, None)
+        self.engine.abort_request(request_id)
 
     def _reject(self, request_id: str, error: ValueError) -> None:
         stream = self._streams.pop(request_id, None)
@@ -191,7 +220,9 @@ class EngineLoop:
         return self.engine.has_unfinished_requests() or self.engine.has_pending_kv_work()
 
     def _step(self) -> None:
+        started_ns = time.time_ns()
         outputs = self.engine.step()
+        self._observe(started_ns, outputs)
         if outputs:
             self._loop.call_soon_threadsafe(self._deliver, outputs)
         elif not self._commands:
@@ -199,6 +230,29 @@ class EngineLoop:
             # instead of spinning a core, but wake at once for new work.
             self._wakeup.wait(self._poll_interval_s)
             self._wakeup.clear()
+
+    def _observe(self, step_started_ns: int, outputs: list) -> None:
+        """Stamp the timelines from what this step did: the scheduler moved each request's status."""
+        for request_id, (request, timeline) in list(self._unstarted.items()):
+            status = request.status
+            if status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if timeline.kv_wait_started_ns is None:
+                    timeline.kv_wait_started_ns = step_started_ns
+                    timeline.scheduled_ns = timeline.scheduled_ns or step_started_ns
+            elif status != RequestStatus.WAITING or request.num_computed_tokens > 0:
+                # Running (or already finished/aborted): the step that started it began at step_started_ns.
+                timeline.scheduled_ns = timeline.scheduled_ns or step_started_ns
+                timeline.computing_ns = step_started_ns
+                del self._unstarted[request_id]
+        if not outputs:
+            return
+        now_ns = time.time_ns()
+        for output in outputs:
+            if output.finished:
+                timeline = self._timelines.pop(output.request_id, None)
+                self._unstarted.pop(output.request_id, None)
+                if timeline is not None:
+                    timeline.finished_ns = now_ns
 
     def _drain_aborted(self) -> None:
         """Let the engine free the blocks of requests aborted at shutdown (bounded)."""

@@ -106,6 +106,9 @@ class Pod:
         self.loop.start()
 
     async def stop(self) -> None:
+        """Abort what is in flight and free every block, holds for peers included, then stop."""
+        if self.connector is not None:
+            self.connector.release_all()
         await self.loop.stop()
         if self.connector is not None:
             self.connector.shutdown()

@@ -6,20 +6,25 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import grpc
+from opentelemetry import context as otel_context
 
+from shared.engine_loop import RequestTimeline
 from shared.grpc_server import GrpcServer, ServerOptions
 from shared.kv_transfer.connector import KVLoadFailurePolicy, KVRole
 from shared.metrics import ServiceMetrics, start_metrics_server
 from shared.pod import Pod, PodConfig
-from shared.telemetry import TracingConfig, setup_tracing
+from shared.telemetry import DEFAULT_UNTRACED_METHOD_PREFIXES, Tracing, TracingConfig, record_span, setup_tracing
 
 logger = logging.getLogger(__name__)
 
 # How often the pod's load gauges are refreshed for Prometheus.
 GAUGE_INTERVAL_S = 0.5
+# How often a draining pod looks whether its last requests and holds are gone.
+DRAIN_POLL_S = 0.02
 
 
 def add_pod_flags(parser: argparse.ArgumentParser, *, default_port: int) -> None:
@@ -39,6 +44,10 @@ def add_pod_flags(parser: argparse.ArgumentParser, *, default_port: int) -> None
     parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     parser.add_argument("--max-requests-in-flight", type=int, default=defaults.max_requests_in_flight)
+    parser.add_argument(
+        "--grace-seconds", type=float, default=ServerOptions.grace_seconds,
+        help="on SIGTERM: how long requests in flight (and KV held for a peer) may take to finish",
+    )
 
 
 def pod_config_from_args(args: argparse.Namespace, **role_settings: Any) -> PodConfig:
@@ -79,18 +88,71 @@ async def refresh_gauges(pod: Pod, metrics: ServiceMetrics) -> None:
 
 
 class PodServicer:
-    """Base of the pod servicers: registered before the model loads, attached to the pod once ready."""
+    """Base of the pod servicers: registered before the model loads, attached to the pod once ready.
+    Holds the service's tracing (a disabled one until run_pod hands the real one over)."""
 
     def __init__(self) -> None:
         self.pod: Pod | None = None
+        self.tracing = Tracing(TracingConfig(service_name="pdserve-pod"), None)
+        self.is_draining = False
+
+    def use_tracing(self, tracing: Tracing) -> None:
+        """Called before the server starts (client channels made later carry its interceptors)."""
+        self.tracing = tracing
 
     def attach(self, pod: Pod) -> None:
         self.pod = pod
+
+    async def close(self) -> None:
+        """Shutdown, after the pod stopped: end what the servicer still tracks."""
 
     async def require_pod(self, context) -> Pod:
         if self.pod is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the pod is still loading its model")
         return self.pod
+
+    async def admit(self, context) -> Pod:
+        """require_pod for calls that start new work: none once the pod drains for shutdown."""
+        if self.is_draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the pod is shutting down")
+        return await self.require_pod(context)
+
+    # ---- tracing helpers (all no-ops when tracing is off) -------------------------------------
+    def trace_parent(self) -> otel_context.Context | None:
+        """The handler's context (its SERVER span) to parent spans recorded later; None when off."""
+        return otel_context.get_current() if self.tracing.is_enabled else None
+
+    def record_span(
+        self, name: str, parent: otel_context.Context | None, start_ns: int | None, end_ns: int | None,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> None:
+        """A finished span measured elsewhere; skipped when tracing is off or a stage was never reached."""
+        if parent is None or start_ns is None or end_ns is None:
+            return
+        record_span(self.tracing.tracer, name, parent, start_ns, max(start_ns, end_ns), attributes)
+
+    def record_stage_spans(
+        self, tier: str, parent: otel_context.Context | None, timeline: RequestTimeline,
+        attributes: Mapping[str, Any], end_ns: int | None = None,
+    ) -> None:
+        """`{tier}-queue` (arrival to first scheduled) and `{tier}` compute (first computing step to
+        the finished output, or `end_ns` for a request that ended early)."""
+        if parent is None:
+            return
+        end_ns = timeline.finished_ns or end_ns or time.time_ns()
+        self.record_span(f"{tier}-queue", parent, timeline.submitted_ns, timeline.scheduled_ns or end_ns, attributes)
+        self.record_span(tier, parent, timeline.computing_ns, end_ns, attributes)
+
+
+async def drain(pod: Pod, grace_s: float) -> None:
+    """Wait (at most grace_s) until no request is in flight and no KV is held for a peer."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        is_holding = pod.connector is not None and pod.connector.num_held_blocks > 0
+        if pod.loop.num_in_flight == 0 and not is_holding:
+            return
+        await asyncio.sleep(DRAIN_POLL_S)
+    logger.warning("shutdown: %d request(s) still in flight after %.1fs, aborting them", pod.loop.num_in_flight, grace_s)
 
 
 async def run_pod(
@@ -102,39 +164,58 @@ async def run_pod(
     service_name: str,
     services: Sequence[tuple[Callable, PodServicer, str]],
 ) -> None:
-    """Serve (health NOT_SERVING) while the pod loads, then SERVING until SIGTERM/SIGINT; then drain."""
+    """Serve (health NOT_SERVING) while the pod loads, then SERVING until SIGTERM/SIGINT. Then:
+    NOT_SERVING, refuse new work, let requests in flight finish (grace period), stop the pod."""
     tracing = setup_tracing(
         TracingConfig.from_flags_and_env(
             env,
-            default_service_name=f"pdserve-{role.name.lower()}",
+            default_service_name=f"pdserve-{service_name}",
             otlp_endpoint=args.otlp_endpoint,
             sampling_ratio=args.otel_sampling_ratio,
         )
     )
-    metrics_server = None
-    server = GrpcServer(ServerOptions(host=args.host, port=args.port), interceptors=tracing.server_interceptors())
+    # Load polls come every second from every router: tracing them would bury the request traces.
+    untraced = (*DEFAULT_UNTRACED_METHOD_PREFIXES, *(f"/{name}/GetLoad" for _, _, name in services))
+    server = GrpcServer(
+        ServerOptions(host=args.host, port=args.port, grace_seconds=args.grace_seconds),
+        interceptors=tracing.server_interceptors(untraced),
+    )
     for add_to_server, servicer, name in services:
+        servicer.use_tracing(tracing)
         server.add_service(add_to_server, servicer, name)
-    port = await server.start()
-    if role is KVRole.PRODUCER and not pod_config.advertise_address:
-        pod_config = dataclasses.replace(pod_config, advertise_address=f"{args.host}:{port}")
-    pod = await asyncio.get_running_loop().run_in_executor(None, Pod, role, pod_config)
-    pod.start()
-    server.on_shutdown(pod.stop)
-    for _, servicer, _ in services:
-        servicer.attach(pod)
-    metrics = services[0][1].metrics
-    if args.metrics_port is not None:
-        metrics_server = start_metrics_server(metrics.registry, args.host, args.metrics_port)
-    gauges = asyncio.ensure_future(refresh_gauges(pod, metrics))
-    await server.set_serving(True)
-    print(f"{service_name} listening on {server.address} (engine {pod.engine_id})", flush=True)
-    if metrics_server is not None:
-        print(f"{service_name} metrics at {metrics_server.url}", flush=True)
+    metrics_server = None
+    gauges = None
     try:
+        port = await server.start()
+        if role is KVRole.PRODUCER and not pod_config.advertise_address:
+            pod_config = dataclasses.replace(pod_config, advertise_address=f"{args.host}:{port}")
+        pod = await asyncio.get_running_loop().run_in_executor(None, Pod, role, pod_config)
+        pod.start()
+
+        async def shut_down() -> None:
+            for _, servicer, _ in services:
+                servicer.is_draining = True
+            await drain(pod, args.grace_seconds)
+            await pod.stop()
+            for _, servicer, _ in services:
+                await servicer.close()
+
+        server.on_shutdown(shut_down)
+        for _, servicer, _ in services:
+            servicer.attach(pod)
+        metrics = services[0][1].metrics
+        if args.metrics_port is not None:
+            metrics_server = start_metrics_server(metrics.registry, args.host, args.metrics_port)
+        gauges = asyncio.ensure_future(refresh_gauges(pod, metrics))
+        await server.set_serving(True)
+        print(f"{service_name} listening on {server.address} (engine {pod.engine_id})", flush=True)
+        if metrics_server is not None:
+            print(f"{service_name} metrics at {metrics_server.url}", flush=True)
         await server.serve_forever()
     finally:
-        gauges.cancel()
+        await server.stop()
+        if gauges is not None:
+            gauges.cancel()
         if metrics_server is not None:
             metrics_server.stop()
         tracing.shutdown()

@@ -172,3 +172,22 @@ def test_prompt_logprobs_match_transformers(checkpoints):
         row = reference[position]
         assert entry[prompt[position + 1]] == pytest.approx(row[prompt[position + 1]].item(), abs=1e-4)
         assert set(row.topk(3).indices.tolist()) <= set(entry)
+
+
+def test_config_json_round_trip_and_variants():
+    for config in {**MODELS, **EXTRA_LOGIT_MODELS}.values():
+        parsed = ModelArchConfig.from_hf_dict(config.to_hf_dict())
+        assert parsed.to_hf_dict() == config.to_hf_dict()
+    # transformers v5 folds rope settings into rope_parameters.
+    v5 = {**MODELS["llama"].to_hf_dict(), "rope_parameters": {"rope_theta": 5e5, **LLAMA3_SCALING}}
+    del v5["rope_theta"], v5["rope_scaling"]
+    parsed = ModelArchConfig.from_hf_dict(v5)
+    assert parsed.rope_theta == 5e5 and parsed.rope_scaling == LLAMA3_SCALING
+    # Full attention equals sliding-window attention only within the window: lengths are capped there.
+    mistral = {**EXTRA_LOGIT_MODELS["mistral"].to_hf_dict(), "sliding_window": 128}
+    assert ModelArchConfig.from_hf_dict(mistral).max_position_embeddings == 128
+    assert ModelArchConfig.from_hf_dict(MODELS["qwen2"].to_hf_dict()).attention_bias
+    with pytest.raises(ValueError, match="unsupported model_type"):
+        ModelArchConfig.from_hf_dict({**v5, "model_type": "gpt2"})
+    with pytest.raises(ValueError, match="rope scaling"):
+        ModelArchConfig.from_hf_dict({**MODELS["llama"].to_hf_dict(), "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})

@@ -333,8 +333,13 @@ class NixlConnector(KVConnectorBase):
     def pop_pull_stats(self, request_id: str) -> KvPullStats | None:
         return self._stats.pop(request_id, None)
 
-    def shutdown(self) -> None:
+    def release_all(self) -> None:
+        """End every hold (shutdown): the scheduler frees the blocks on its next step."""
         with self._lock:
             self._released |= set(self._holds)
             self._holds.clear()
+        self.wake()
+
+    def shutdown(self) -> None:
+        self.release_all()
         self.agent.close()

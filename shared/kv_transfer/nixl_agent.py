@@ -159,9 +159,15 @@ class _Pool:
 
 
 def _nixl_api():
-    # Imported lazily so that importing this module stays cheap and torch-free.
-    from nixl_cu12 import nixl_agent, nixl_agent_config
-
+    # Imported lazily so that importing this module stays cheap and torch-free. The wheels are
+    # named after the CUDA major version they were built for; the API is the same.
+    try:
+        from nixl_cu12 import nixl_agent, nixl_agent_config
+    except ImportError:
+        try:
+            from nixl_cu13 import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise KvTransferError("NIXL is not installed (pip install nixl-cu12 or nixl-cu13)") from exc
     return nixl_agent, nixl_agent_config
 
 

@@ -37,6 +37,17 @@ class AttentionMetadata:
     spans: list[SequenceSpan]
 
 
+@dataclass
+class OutputRows:
+    """A subset of the batch's rows (ascending) and the attention metadata of just those rows.
+
+    Decode rows are always all kept; a span keeps a suffix of its queries (its context is unchanged,
+    so a partial suffix reads its keys back from the cache)."""
+
+    rows: torch.Tensor  # long [num_kept]
+    meta: AttentionMetadata
+
+
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter this step's K and V rows into their slots; a block is [block_size, kv_heads, head_dim]."""

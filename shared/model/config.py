@@ -91,6 +91,12 @@ class ModelArchConfig:
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf.get('hidden_act')!r} (only silu)")
         rope_theta, rope_scaling = _parse_rope(hf)
+        max_positions = hf.get("max_position_embeddings", 2048)
+        window = hf.get("sliding_window")
+        if hf.get("use_sliding_window", model_type == "mistral") and window:
+            # Attention here is always full; within the window that is exactly sliding-window attention,
+            # so sequences are capped at the window instead of silently diverging past it.
+            max_positions = min(max_positions, int(window))
         if dtype is None:
             dtype = _parse_dtype(hf.get("torch_dtype") or hf.get("dtype"))
         return cls(
@@ -105,7 +111,7 @@ class ModelArchConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # Qwen2 always carries q/k/v biases; Llama and Mistral only when attention_bias says so.
             attention_bias=True if model_type == "qwen2" else bool(hf.get("attention_bias", False)),

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.model.attention import AttentionMetadata, paged_attention, write_kv
+from shared.model.attention import AttentionMetadata, OutputRows, paged_attention, write_kv
 from shared.model.config import ModelArchConfig
 
 
@@ -105,7 +105,9 @@ class DecoderLayer(nn.Module):
         self.intermediate_size = config.intermediate_size
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                keep: OutputRows | None = None) -> torch.Tensor:
+        """keep: compute the layer's output only for these rows (K and V still for every row)."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(hidden))
         # Rotate q and k heads together: one set of elementwise ops instead of two.
@@ -115,6 +117,9 @@ class DecoderLayer(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
+        if keep is not None:
+            q, k, v, hidden, meta = q[keep.rows], k[keep.rows], v[keep.rows], hidden[keep.rows], keep.meta
+            num_tokens = hidden.shape[0]
         attn = paged_attention(q, k, v, key_cache, value_cache, meta, self.scale)
         hidden = hidden + self.o_proj(attn.view(num_tokens, self.q_size))
         gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))
@@ -144,11 +149,15 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                output_rows: OutputRows | None = None) -> torch.Tensor:
+        """Hidden states of every row, or only of output_rows.rows when given: past the last layer's
+        K/V nothing else depends on the other rows, so its attention and MLP skip them."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            hidden = layer(hidden, cos, sin, kv_cache, meta, output_rows if i == last else None)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

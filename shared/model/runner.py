@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.kv_transfer.connector import KVConnectorBase
-from shared.model.attention import AttentionMetadata, SequenceSpan
+from shared.model.attention import AttentionMetadata, OutputRows, SequenceSpan
 from shared.model.loader import LoadedModel
 from shared.model.sampler import prompt_logprobs, sample
 from shared.model.spec_decode import NgramProposer
@@ -163,7 +163,6 @@ class ModelRunner:
 
     def _run(self, scheduled: list[_ScheduledRequest]) -> tuple[dict[str, list[int]], dict[str, list]]:
         input_ids, positions, slots = [], [], []
-        logit_rows: list[int] = []  # rows whose logits are needed (sampling and prompt logprobs)
         bs = self.block_size
         for r in scheduled:
             n = len(r.input_ids)
@@ -176,10 +175,27 @@ class ModelRunner:
         ids_t = torch.tensor(input_ids, dtype=torch.long)
         pos_t = torch.tensor(positions, dtype=torch.long)
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long)
-        hidden = self.model(ids_t, pos_t, self.layer_kv, meta)
+        logit_rows, sample_slices, prompt_slices = self._select_logit_rows(scheduled)
+        output_rows, hidden_rows = self._output_rows(scheduled, meta, logit_rows)
+        hidden = self.model(ids_t, pos_t, self.layer_kv, meta, output_rows)
+        if not logit_rows:
+            return {}, {}
+        logits = self.model.compute_logits(hidden[torch.tensor(hidden_rows, dtype=torch.long)])
+        sampled = self._sample(scheduled, logits, sample_slices)
+        lps = {}
+        for r in scheduled:
+            if r.req_id in prompt_slices:
+                first, count, start = prompt_slices[r.req_id]
+                targets = torch.tensor(r.state.token_ids[start + 1:start + 1 + count], dtype=torch.long)
+                lps[r.req_id] = prompt_logprobs(logits[first:first + count], targets,
+                                                r.state.sampling_params.prompt_logprobs)
+        return sampled, lps
 
-        # Which rows to turn into logits: the last (drafts + 1) rows of a sampling request, and the
-        # rows that predict a prompt token when prompt logprobs are asked for.
+    def _select_logit_rows(self, scheduled: list[_ScheduledRequest]):
+        """Rows to turn into logits: the last (drafts + 1) rows of a sampling request, and the rows that
+        predict a prompt token when prompt logprobs are asked for. Returns (rows, sample slices
+        {req_id: (first logit row, count)}, prompt slices {req_id: (first logit row, count, position)})."""
+        logit_rows: list[int] = []
         row = 0
         sample_slices: dict[str, tuple[int, int]] = {}
         prompt_slices: dict[str, tuple[int, int, int]] = {}
@@ -200,18 +216,40 @@ class ModelRunner:
                 sample_slices[r.req_id] = (len(logit_rows), k)
                 logit_rows.extend(range(row + n - k, row + n))
             row += n
-        if not logit_rows:
-            return {}, {}
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, dtype=torch.long)])
-        sampled = self._sample(scheduled, logits, sample_slices)
-        lps = {}
-        for r in scheduled:
-            if r.req_id in prompt_slices:
-                first, count, start = prompt_slices[r.req_id]
-                targets = torch.tensor(r.state.token_ids[start + 1:start + 1 + count], dtype=torch.long)
-                lps[r.req_id] = prompt_logprobs(logits[first:first + count], targets,
-                                                r.state.sampling_params.prompt_logprobs)
-        return sampled, lps
+        return logit_rows, sample_slices, prompt_slices
+
+    def _output_rows(self, scheduled: list[_ScheduledRequest], meta: AttentionMetadata,
+                     logit_rows: list[int]) -> tuple[OutputRows | None, list[int]]:
+        """The rows the last layer must finish (decode rows, and each span from its first row that
+        needs logits), and logit_rows renumbered into them. None when every row is needed anyway."""
+        num_decodes = meta.num_decode_tokens
+        needed_from: dict[int, int] = {}  # span index -> first row (batch numbering) needing logits
+        span_starts = [span.query_start for span in meta.spans]
+        span_index = 0
+        for row in sorted(logit_rows):
+            if row < num_decodes:
+                continue
+            while span_index + 1 < len(span_starts) and span_starts[span_index + 1] <= row:
+                span_index += 1
+            needed_from.setdefault(span_index, row)
+        kept_rows = list(range(num_decodes))
+        spans = []
+        for i, span in enumerate(meta.spans):
+            if i not in needed_from:
+                continue
+            skip = needed_from[i] - span.query_start
+            spans.append(SequenceSpan(len(kept_rows), span.query_len - skip, span.context_len, span.block_ids))
+            kept_rows.extend(range(needed_from[i], span.query_start + span.query_len))
+        num_rows = num_decodes + sum(span.query_len for span in meta.spans)
+        if len(kept_rows) == num_rows:
+            return None, logit_rows
+        position = {row: i for i, row in enumerate(kept_rows)}
+        keep_meta = AttentionMetadata(
+            slot_mapping=None, num_decode_tokens=num_decodes, decode_block_table=meta.decode_block_table,
+            decode_context_lens=meta.decode_context_lens, decode_key_mask=meta.decode_key_mask, spans=spans,
+        )
+        rows = torch.tensor(kept_rows, dtype=torch.long)
+        return OutputRows(rows=rows, meta=keep_meta), [position[row] for row in logit_rows]
 
     def _attention_metadata(self, scheduled: list[_ScheduledRequest]) -> AttentionMetadata:
         bs = self.block_size
