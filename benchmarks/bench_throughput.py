@@ -7,6 +7,7 @@ tokens each with ignore_eos; prints output tokens/s per run and the median, for 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -56,8 +57,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; workload: {NUM_REQUESTS} requests x "
-          f"{PROMPT_LEN} prompt tokens -> {OUTPUT_LEN} output tokens, greedy, ignore_eos")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; workload: "
+          f"{NUM_REQUESTS} requests x {PROMPT_LEN} prompt tokens -> {OUTPUT_LEN} output tokens, greedy, ignore_eos")
     for model in args.models:
         blocks_per_request = -(-(PROMPT_LEN + OUTPUT_LEN) // args.block_size)
         engine = LLMEngine(
@@ -72,7 +73,9 @@ def main() -> None:
         for run in range(args.runs):
             tokens_per_s = run_once(engine, seed=args.seed + run)
             results.append(tokens_per_s)
-            print(f"  {model} run {run + 1}: {tokens_per_s:,.0f} output tokens/s", flush=True)
+            # The 1-minute load average shows whether other processes competed for the cores.
+            print(f"  {model} run {run + 1}: {tokens_per_s:,.0f} output tokens/s "
+                  f"(load average {os.getloadavg()[0]:.2f})", flush=True)
         print(f"{model} ({args.dtype}): median {statistics.median(results):,.0f} output tokens/s "
               f"over {len(results)} runs (min {min(results):,.0f}, max {max(results):,.0f})", flush=True)
 

@@ -29,6 +29,9 @@ from pdserve.bench_stats import markdown_table  # noqa: E402
 from pdserve.launcher import HOST, LocalCluster, free_port, start_service, wait_serving  # noqa: E402
 
 SYSTEMS = ("colocated", "split")
+DEFAULT_ENV = ["OMP_NUM_THREADS=1"]
+DEFAULT_TTFT_SLO_MS = 100.0
+DEFAULT_TPOT_SLO_MS = 20.0
 # vLLM 0.32 on the reference machine, same workload (seed 0, 128 requests, 128/64 tokens, r=0.5).
 VLLM_REFERENCE = """\
 | vLLM 0.32 reference | rate 4: TTFT p50 / TPOT p50 (ms) | rate 8: TTFT p50 / TPOT p50 (ms) | all at once: out tok/s |
@@ -113,15 +116,18 @@ def git_commit() -> str | None:
 def write_outputs(sweeps: dict[str, list[dict]], args: argparse.Namespace, command: str) -> None:
     out = args.out_dir
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-               "commit": git_commit(), "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+               "commit": git_commit(), "service_env": args.env, "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     summary = {system: [{k: v for k, v in r.items() if k != "requests"} for r in reports]
                for system, reports in sweeps.items()}
     (out / "sweep.json").write_text(json.dumps({"command": command, "machine": machine, "runs": summary},
                                                indent=1, allow_nan=False))
     all_reports = [r for reports in sweeps.values() for r in reports]
     table = markdown_table(all_reports)
+    slo = f"goodput counts requests with TTFT <= {args.ttft_slo_ms} ms and TPOT <= {args.tpot_slo_ms} ms"
+    loads = ", ".join(f"{r['label']} {r['load_average_before'][0]:.1f}" for r in all_reports)
     (out / "summary.md").write_text(
-        f"# Serving sweep\n\n`{command}`\n\nMachine: {machine}\n\n{table}\n{VLLM_REFERENCE}"
+        f"# Serving sweep\n\n`{command}`\n\nMachine: {machine}\n\n{table}\n{slo}; "
+        f"1-minute load average before each run: {loads}\n\n{VLLM_REFERENCE}"
     )
     if not args.no_plots:
         from pdserve.bench_plot import plot_latency_cdfs, plot_sweep
@@ -129,7 +135,7 @@ def write_outputs(sweeps: dict[str, list[dict]], args: argparse.Namespace, comma
         plot_sweep(sweeps, out / "sweep.png", title="pdserve serving sweep (tiny model)")
         for system, reports in sweeps.items():
             plot_latency_cdfs(reports, out / f"{system}_latency_cdf.png", title=f"{system}: latency CDFs by rate")
-    print("\n" + table + "\n" + VLLM_REFERENCE, flush=True)
+    print("\n" + table + "\n" + slo + "\n\n" + VLLM_REFERENCE, flush=True)
     print(f"wrote {out}/sweep.json, summary.md" + ("" if args.no_plots else ", sweep.png, *_latency_cdf.png"))
 
 
@@ -145,11 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="tiny", help="built-in preset or HF model directory")
     parser.add_argument("--pod-args", default="", help="extra flags for every pod, e.g. '--max-num-seqs 64'")
     parser.add_argument("--router-args", default="", help="extra flags for the router")
-    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                        help="environment for the services (repeatable), e.g. OMP_NUM_THREADS=1")
+    parser.add_argument("--env", action="append", default=None, metavar="KEY=VALUE",
+                        help="environment for the services (repeatable; default OMP_NUM_THREADS=1: on a small "
+                             "machine torch's intra-op threads fight the gRPC threads and the other services)")
     parser.add_argument("--start-timeout-s", type=float, default=180.0)
     parser.add_argument("--out-dir", type=Path, default=Path("out/serving_sweep"))
-    parser.set_defaults(request_timeout_s=120.0)  # a stuck system shows up as failures, not a hang
+    # A stuck system shows up as failures, not a hang; goodput is judged against these SLOs by default.
+    parser.set_defaults(request_timeout_s=120.0, ttft_slo_ms=DEFAULT_TTFT_SLO_MS, tpot_slo_ms=DEFAULT_TPOT_SLO_MS)
     args = parser.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(systems) - set(SYSTEMS))
@@ -160,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         workload_from_args(args, rates[0] if rates else math.inf)
     except (argparse.ArgumentTypeError, ValueError) as exc:
         parser.error(str(exc))
+    args.env = DEFAULT_ENV if args.env is None else args.env
     bad_env = [kv for kv in args.env if "=" not in kv]
     if bad_env:
         parser.error(f"--env takes KEY=VALUE, got {bad_env}")

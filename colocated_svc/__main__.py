@@ -7,15 +7,12 @@ import asyncio
 import logging
 import os
 import sys
-from typing import Mapping
+from pathlib import Path
 
 from colocated_svc.servicer import ColocatedServicer
 from proto.pdserve.v1 import generate_pb2_grpc
-from shared.grpc_server import GrpcServer, ServerOptions
-from shared.metrics import ServiceMetrics, start_metrics_server
-from shared.pod import Pod, PodConfig
-from shared.pod_main import add_pod_flags, pod_config_from_args, refresh_gauges
-from shared.telemetry import TracingConfig, setup_tracing
+from shared.metrics import ServiceMetrics
+from shared.pod_main import add_pod_flags, pod_config_from_args, run_pod
 
 SERVICE_NAME = "pdserve.v1.GenerateService"
 DEFAULT_PORT = 50061
@@ -32,10 +29,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def load_tokenizer(path: str | None):
+    """None without a path; ValueError when the file is missing."""
     if path is None:
         return None
-    from pathlib import Path
-
     from tokenizers import Tokenizer
 
     file = Path(path)
@@ -44,45 +40,6 @@ def load_tokenizer(path: str | None):
     if not file.is_file():
         raise ValueError(f"tokenizer file not found: {file}")
     return Tokenizer.from_file(str(file))
-
-
-async def serve(args: argparse.Namespace, pod_config: PodConfig, servicer: ColocatedServicer, *,
-                env: Mapping[str, str]) -> None:
-    """Health NOT_SERVING while the model loads, SERVING until SIGTERM/SIGINT, then drain.
-    (shared/pod_main.run_pod does the same for a pod with a KV role.)"""
-    tracing = setup_tracing(
-        TracingConfig.from_flags_and_env(
-            env,
-            default_service_name="pdserve-colocated",
-            otlp_endpoint=args.otlp_endpoint,
-            sampling_ratio=args.otel_sampling_ratio,
-        )
-    )
-    server = GrpcServer(ServerOptions(host=args.host, port=args.port), interceptors=tracing.server_interceptors())
-    server.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer, SERVICE_NAME)
-    metrics_server = None
-    gauges = None
-    try:
-        await server.start()
-        pod = await asyncio.get_running_loop().run_in_executor(None, Pod, None, pod_config)
-        pod.start()
-        server.on_shutdown(pod.stop)
-        servicer.attach(pod)
-        if args.metrics_port is not None:
-            metrics_server = start_metrics_server(servicer.metrics.registry, args.host, args.metrics_port)
-        gauges = asyncio.ensure_future(refresh_gauges(pod, servicer.metrics))
-        await server.set_serving(True)
-        print(f"colocated listening on {server.address} (engine {pod.engine_id})", flush=True)
-        if metrics_server is not None:
-            print(f"colocated metrics at {metrics_server.url}", flush=True)
-        await server.serve_forever()
-    finally:
-        if gauges is not None:
-            gauges.cancel()
-        await server.stop()
-        if metrics_server is not None:
-            metrics_server.stop()
-        tracing.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve colocated: {exc}", file=sys.stderr)
         return 2
     servicer = ColocatedServicer(ServiceMetrics(), tokenizer=tokenizer)
-    asyncio.run(serve(args, config, servicer, env=dict(os.environ)))
+    services = [(generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer, SERVICE_NAME)]
+    # Role None: no KV connector, the pod runs whole requests itself.
+    asyncio.run(run_pod(None, args, config, env=dict(os.environ), service_name="colocated", services=services))
     return 0
 
 

@@ -7,6 +7,7 @@ import time
 import uuid
 
 import grpc
+from opentelemetry import trace
 
 from proto.pdserve.v1 import generate_pb2_grpc
 from shared import convert
@@ -15,6 +16,7 @@ from shared.metrics import ServiceMetrics
 from shared.pod import PodOverloaded
 from shared.pod_main import PodServicer
 from shared.request import FinishReason, Request, SamplingParams
+from shared.telemetry import SpanAttr
 
 logger = logging.getLogger(__name__)
 
@@ -61,63 +63,81 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
         return self.pod.tokenizer if self.pod is not None else None
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
-        pod = await self.require_pod(context)
+        pod = await self.admit(context)
+        started = time.monotonic()
+        parent = self.trace_parent()
+        span = trace.get_current_span()
         request_id = request.request_id or uuid.uuid4().hex
         # Two clients may choose the same id; the engine keys requests by id, so make it unique.
         engine_request_id = f"{request_id}.{uuid.uuid4().hex[:8]}" if request.request_id else request_id
-        started = time.monotonic()
-        try:
-            prompt_ids, sampling = self.validate(request)
-        except InvalidRequest as exc:
-            self.metrics.record_outcome("invalid")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        engine_request = Request(engine_request_id, prompt_ids, sampling, eos_token_id=pod.eos_token_id)
-        try:
-            stream = pod.submit(engine_request)
-        except PodOverloaded as exc:
-            self.metrics.record_outcome("overloaded")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except EngineStopped as exc:
-            self.metrics.record_outcome("error")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        text = _TextStream(self.tokenizer) if self.tokenizer is not None else None
+        span.set_attribute(SpanAttr.REQUEST_ID, request_id)
+        outcome = "cancelled"  # the caller went away, unless something below decides otherwise
+        stream = None
+        finish: FinishReason | None = None
         num_output = 0
         first_token_at = None
-        finish: FinishReason | None = None
         try:
-            async for outputs in stream.batches():
-                token_ids = [t for output in outputs for t in output.new_token_ids]
-                finish = outputs[-1].finish_reason if outputs[-1].finished else None
-                if not token_ids and finish is None:
-                    continue
-                num_output += len(token_ids)
-                if token_ids and first_token_at is None:
-                    first_token_at = time.monotonic()
-                    self.metrics.ttft_seconds.observe(first_token_at - started)
-                yield convert.generate_chunk_to_proto(
-                    request_id=request_id,
-                    token_ids=token_ids,
-                    text=text.push(token_ids) if text is not None else "",
-                    finish_reason=finish,
-                    num_prompt_tokens=len(prompt_ids),
-                    num_output_tokens=num_output,
-                )
-        except EngineStopped as exc:
-            self.metrics.record_outcome("error")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except ValueError as exc:  # the engine refused the request after submit
-            self.metrics.record_outcome("invalid")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            try:
+                prompt_ids, sampling = self.validate(request)
+            except InvalidRequest as exc:
+                outcome = "invalid"
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(prompt_ids))
+            try:
+                stream = pod.submit(Request(engine_request_id, prompt_ids, sampling, eos_token_id=pod.eos_token_id))
+            except PodOverloaded as exc:
+                outcome = "overloaded"
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            except EngineStopped as exc:
+                outcome = "error"
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            text = _TextStream(self.tokenizer) if self.tokenizer is not None else None
+            try:
+                async for outputs in stream.batches():
+                    token_ids = [t for output in outputs for t in output.new_token_ids]
+                    finish = outputs[-1].finish_reason if outputs[-1].finished else None
+                    if not token_ids and finish is None:
+                        continue
+                    num_output += len(token_ids)
+                    if token_ids and first_token_at is None:
+                        first_token_at = time.monotonic()
+                        self.metrics.ttft_seconds.observe(first_token_at - started)
+                        span.set_attribute(SpanAttr.TTFT_S, first_token_at - started)
+                    if finish is not None:
+                        # Settled before the last message goes out: a caller may hang up once it has it.
+                        outcome = "error" if finish is FinishReason.ERROR else "ok"
+                        self._record_finish(span, num_output, finish, first_token_at)
+                    yield convert.generate_chunk_to_proto(
+                        request_id=request_id,
+                        token_ids=token_ids,
+                        text=text.push(token_ids) if text is not None else "",
+                        finish_reason=finish,
+                        num_prompt_tokens=len(prompt_ids),
+                        num_output_tokens=num_output,
+                    )
+            except EngineStopped as exc:
+                outcome = "error"
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            except ValueError as exc:  # the engine refused the request after submit
+                outcome = "invalid"
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            if finish is None:  # the stream ended unfinished: the pod aborted everything (shutdown)
+                outcome = "error"
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the pod stopped before the request finished")
         finally:
-            if finish is None:
-                # Cancelled, deadline, or an error above: the engine frees the request's blocks.
-                pod.loop.abort(engine_request_id)
-        if finish is None:  # the pod is shutting down and aborted everything in flight
-            self.metrics.record_outcome("error")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the pod stopped before the request finished")
-        self.metrics.record_outcome("ok")
-        if num_output > 1:
-            self.metrics.tpot_seconds.observe((time.monotonic() - first_token_at) / (num_output - 1))
+            if stream is not None and finish is None:
+                pod.loop.abort(engine_request_id)  # cancelled, deadline or error: frees the request's blocks
+            self.metrics.record_outcome(outcome)
+            if stream is not None:
+                self.record_stage_spans("colocated", parent, stream.timeline, {SpanAttr.REQUEST_ID: request_id})
+
+    def _record_finish(self, span, num_output: int, reason: FinishReason, first_token_at: float | None) -> None:
+        span.set_attribute(SpanAttr.NUM_OUTPUT_TOKENS, num_output)
+        span.set_attribute(SpanAttr.FINISH_REASON, reason.value)
+        if num_output > 1 and first_token_at is not None:
+            tpot_s = (time.monotonic() - first_token_at) / (num_output - 1)
+            self.metrics.tpot_seconds.observe(tpot_s)
+            span.set_attribute(SpanAttr.TPOT_S, tpot_s)
 
     def validate(self, request) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the sampling params, or InvalidRequest saying what is wrong."""

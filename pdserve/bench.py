@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -145,54 +146,54 @@ async def _send(client: AsyncPdserveClient, request: BenchRequest, request_id: s
     return record
 
 
-async def run_workload(target: str, requests: Sequence[BenchRequest], *, label: str = "bench",
+async def run_workload(client: AsyncPdserveClient, requests: Sequence[BenchRequest], *, label: str = "bench",
                        request_timeout_s: float | None = None, progress: bool = True,
                        id_prefix: str = "bench") -> tuple[list[RequestRecord], float]:
-    """Sends every request at its arrival time over one channel; returns (records, duration seconds)
-    where the duration runs from the first send to the last response."""
+    """Sends every request at its arrival time over the client's channel; returns (records, duration
+    seconds) where the duration runs from the first send to the last response."""
     bar = Progress(label, len(requests), progress)
-    async with AsyncPdserveClient(target) as client:
-        run_start = time.perf_counter()
+    run_start = time.perf_counter()
 
-        async def one(request: BenchRequest) -> RequestRecord:
-            delay = run_start + request.arrival_s - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            record = await _send(client, request, f"{id_prefix}-{request.index}", request_timeout_s, run_start)
-            bar.update(record)
-            return record
+    async def one(request: BenchRequest) -> RequestRecord:
+        delay = run_start + request.arrival_s - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        record = await _send(client, request, f"{id_prefix}-{request.index}", request_timeout_s, run_start)
+        bar.update(record)
+        return record
 
-        records = await asyncio.gather(*(one(r) for r in requests))
-        duration = time.perf_counter() - run_start
-    return list(records), duration
+    records = await asyncio.gather(*(one(r) for r in requests))
+    return list(records), time.perf_counter() - run_start
 
 
-async def warm_up(target: str, config: WorkloadConfig, num_warmups: int, timeout_s: float | None) -> None:
-    """A few short sequential requests (not measured) so lazy initialisation stays out of the figures."""
-    if num_warmups < 1:
-        return
+async def warm_up(client: AsyncPdserveClient, config: WorkloadConfig, num_warmups: int,
+                  timeout_s: float | None) -> None:
+    """Short sequential requests (not measured): lazy initialisation and the channel's connection
+    set-up stay out of the figures."""
     warmup = generate_workload(WorkloadConfig(
-        num_requests=num_warmups, input_len=config.input_len, output_len=4, range_ratio=0.0,
+        num_requests=max(1, num_warmups), input_len=config.input_len, output_len=4, range_ratio=0.0,
         vocab_size=config.vocab_size, seed=config.seed + 1_000_003,
     ))
-    async with AsyncPdserveClient(target) as client:
-        for request in warmup:
-            record = await _send(client, request, f"warmup-{request.index}-{time.time_ns()}", timeout_s, 0.0)
-            if not record.is_success:
-                raise RuntimeError(f"warm-up request failed: {record.error}")
+    for request in warmup[:num_warmups]:
+        record = await _send(client, request, f"warmup-{request.index}-{time.time_ns()}", timeout_s, 0.0)
+        if not record.is_success:
+            raise RuntimeError(f"warm-up request failed: {record.error}")
 
 
 async def run_benchmark(target: str, config: WorkloadConfig, *, slo: Slo = Slo(), label: str = "bench",
                         request_timeout_s: float | None = None, num_warmups: int = 1,
                         progress: bool = True) -> dict[str, Any]:
     """Warm up, run the workload, and return the full report (figures, workload, per-request rows)."""
-    await warm_up(target, config, num_warmups, request_timeout_s)
     requests = generate_workload(config)
-    records, duration = await run_workload(
-        target, requests, label=label, request_timeout_s=request_timeout_s, progress=progress,
-        id_prefix=f"{label}-{time.time_ns()}",
-    )
-    report = {"label": label, "target": target, "workload": config.to_json(), **build_report(records, duration, slo)}
+    async with AsyncPdserveClient(target) as client:
+        await warm_up(client, config, num_warmups, request_timeout_s)
+        load_before = os.getloadavg()  # other work on the machine skews the figures: keep the evidence
+        records, duration = await run_workload(
+            client, requests, label=label, request_timeout_s=request_timeout_s, progress=progress,
+            id_prefix=f"{label}-{time.time_ns()}",
+        )
+    report = {"label": label, "target": target, "workload": config.to_json(), **build_report(records, duration, slo),
+              "load_average_before": load_before, "load_average_after": os.getloadavg()}
     report["requests"] = request_rows(records)
     return report
 
@@ -248,9 +249,14 @@ def format_summary(report: dict[str, Any]) -> str:
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
         s = report[key]
         if s["mean"] is not None:
-            lines.append(f"  {name:4} ms: mean {s['mean']:.2f}  p50 {s['p50']:.2f}  p90 {s['p90']:.2f}  p99 {s['p99']:.2f}")
+            lines.append(
+                f"  {name:4} ms: mean {s['mean']:.2f}  p50 {s['p50']:.2f}  p90 {s['p90']:.2f}  p99 {s['p99']:.2f}"
+            )
     if report["goodput"] is not None:
         lines.append(f"  goodput: {report['goodput']:.2f} req/s ({report['num_slo_met']} requests met the SLOs)")
+    if "load_average_before" in report:
+        lines.append(f"  load average (1 min) before / after: {report['load_average_before'][0]:.2f} / "
+                     f"{report['load_average_after'][0]:.2f} (on {os.cpu_count()} CPUs)")
     for error in report["errors"]:
         lines.append(f"  error: {error}")
     return "\n".join(lines)

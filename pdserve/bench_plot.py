@@ -55,14 +55,17 @@ def _rate_axis(reports: Sequence[Mapping[str, Any]]) -> tuple[list[float], list[
 
 
 def plot_sweep(sweeps: Mapping[str, Sequence[Mapping[str, Any]]], path: Path, title: str = "") -> Path:
-    """sweeps: system name -> its reports in rate order. Panels: output tok/s, TTFT p50, TPOT p50, goodput."""
+    """sweeps: system name -> its reports in rate order. Panels: output tok/s, TTFT p50, TPOT p50, and
+    goodput (completed requests/s when no SLO was given)."""
     plt = _pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    has_goodput = any(r["goodput"] is not None for reports in sweeps.values() for r in reports)
     panels = (
         (lambda r: r["output_throughput"], "output tokens/s"),
         (lambda r: r["ttft_ms"]["p50"], "TTFT p50 (ms)"),
         (lambda r: r["tpot_ms"]["p50"], "TPOT p50 (ms)"),
-        (lambda r: r["request_throughput"] if r["goodput"] is None else r["goodput"], "goodput (req/s)"),
+        (lambda r: r["goodput"], "goodput (req/s)") if has_goodput
+        else (lambda r: r["request_throughput"], "completed requests/s"),
     )
     for ax, (value, name) in zip(axes.flat, panels):
         for system, reports in sweeps.items():

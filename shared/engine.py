@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -34,7 +34,6 @@ class GenerationOutput:
     text: str | None = None  # decoded output when the model has a tokenizer
     prompt_logprobs: list[dict[int, float] | None] | None = None  # None for the first prompt token
     stop_reason: int | str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -111,7 +110,9 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"request {request.request_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            raise ValueError(
+                f"request {request.request_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+            )
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> None:

@@ -91,6 +91,8 @@ class EngineLoop:
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
         self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}
+        # Stamp each request's timeline (trace spans need it); off by default: no per-request work then.
+        self.is_timing_requests = False
         # Engine thread only: requests not yet computing, and the timeline of every request in flight.
         self._unstarted: dict[str, tuple[Any, RequestTimeline]] = {}
         self._timelines: dict[str, RequestTimeline] = {}
@@ -199,6 +201,8 @@ class EngineLoop:
         except ValueError as exc:  # the engine refused it: tell that request, keep serving the rest
             self._loop.call_soon_threadsafe(self._reject, request.request_id, exc)
             return
+        if not self.is_timing_requests:
+            return
         self._unstarted[request.request_id] = (request, timeline)
         self._timelines[request.request_id] = timeline
 
@@ -244,7 +248,7 @@ class EngineLoop:
                 timeline.scheduled_ns = timeline.scheduled_ns or step_started_ns
                 timeline.computing_ns = step_started_ns
                 del self._unstarted[request_id]
-        if not outputs:
+        if not outputs or not self._timelines:
             return
         now_ns = time.time_ns()
         for output in outputs:

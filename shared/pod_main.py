@@ -17,7 +17,9 @@ from shared.grpc_server import GrpcServer, ServerOptions
 from shared.kv_transfer.connector import KVLoadFailurePolicy, KVRole
 from shared.metrics import ServiceMetrics, start_metrics_server
 from shared.pod import Pod, PodConfig
-from shared.telemetry import DEFAULT_UNTRACED_METHOD_PREFIXES, Tracing, TracingConfig, record_span, setup_tracing
+from shared.telemetry import (
+    DEFAULT_UNTRACED_METHOD_PREFIXES, SpanAttr, Tracing, TracingConfig, record_span, setup_tracing,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +142,8 @@ class PodServicer:
         if parent is None:
             return
         end_ns = timeline.finished_ns or end_ns or time.time_ns()
-        self.record_span(f"{tier}-queue", parent, timeline.submitted_ns, timeline.scheduled_ns or end_ns, attributes)
+        queued = {key: attributes[key] for key in (SpanAttr.REQUEST_ID,) if key in attributes}
+        self.record_span(f"{tier}-queue", parent, timeline.submitted_ns, timeline.scheduled_ns or end_ns, queued)
         self.record_span(tier, parent, timeline.computing_ns, end_ns, attributes)
 
 
@@ -152,7 +155,9 @@ async def drain(pod: Pod, grace_s: float) -> None:
         if pod.loop.num_in_flight == 0 and not is_holding:
             return
         await asyncio.sleep(DRAIN_POLL_S)
-    logger.warning("shutdown: %d request(s) still in flight after %.1fs, aborting them", pod.loop.num_in_flight, grace_s)
+    logger.warning(
+        "shutdown: %d request(s) still in flight after %.1fs, aborting them", pod.loop.num_in_flight, grace_s
+    )
 
 
 async def run_pod(
@@ -190,6 +195,7 @@ async def run_pod(
         if role is KVRole.PRODUCER and not pod_config.advertise_address:
             pod_config = dataclasses.replace(pod_config, advertise_address=f"{args.host}:{port}")
         pod = await asyncio.get_running_loop().run_in_executor(None, Pod, role, pod_config)
+        pod.loop.is_timing_requests = tracing.is_enabled  # the timelines only feed trace spans
         pod.start()
 
         async def shut_down() -> None:

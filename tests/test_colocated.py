@@ -6,6 +6,7 @@ import time
 
 import grpc
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from colocated_svc.servicer import ColocatedServicer
 from proto.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
@@ -22,11 +23,19 @@ MAX_MODEL_LEN = 512
 PROMPTS = [[5, 17, 300, 42, 8], list(range(100, 140)), [4000, 3, 9], list(range(7, 60, 2))]
 
 
+def word_tokenizer() -> Tokenizer:
+    """One word per tiny-model token id: "w5 w17" <-> [5, 17]."""
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(4096)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")
+    return tokenizer
+
+
 @contextlib.asynccontextmanager
-async def serving():
+async def serving(tokenizer=None):
     pod = Pod(None, PodConfig(model="tiny", num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN))
     pod.start()
-    servicer = ColocatedServicer(ServiceMetrics())
+    servicer = ColocatedServicer(ServiceMetrics(), tokenizer=tokenizer)
     servicer.attach(pod)
     server = GrpcServer(ServerOptions(host="127.0.0.1", port=0, grace_seconds=1.0))
     server.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer, SERVICE)
@@ -137,3 +146,18 @@ def test_cancelled_call_aborts_and_frees_blocks():
             assert load.num_free_blocks == idle_free
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_text_prompt_is_tokenized_and_streamed_back_as_text():
+    async def scenario():
+        async with serving(word_tokenizer()) as (stub, _, _):
+            by_text = await collect(stub, request("w5 w17 w300 w42 w8", max_tokens=6, ignore_eos=True))
+            by_ids = await collect(stub, request(PROMPTS[0], max_tokens=6, ignore_eos=True))
+            return by_text, by_ids
+
+    by_text, by_ids = asyncio.run(scenario())
+    tokens = [t for r in by_text for t in r.token_ids]
+    assert tokens == [t for r in by_ids for t in r.token_ids]
+    assert by_text[-1].num_prompt_tokens == 5
+    assert "".join(r.text for r in by_text).split() == [f"w{t}" for t in tokens]

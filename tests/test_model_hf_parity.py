@@ -190,4 +190,5 @@ def test_config_json_round_trip_and_variants():
     with pytest.raises(ValueError, match="unsupported model_type"):
         ModelArchConfig.from_hf_dict({**v5, "model_type": "gpt2"})
     with pytest.raises(ValueError, match="rope scaling"):
-        ModelArchConfig.from_hf_dict({**MODELS["llama"].to_hf_dict(), "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+        yarn = {"rope_type": "yarn", "factor": 2.0}
+        ModelArchConfig.from_hf_dict({**MODELS["llama"].to_hf_dict(), "rope_scaling": yarn})

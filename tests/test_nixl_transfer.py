@@ -18,6 +18,7 @@ from shared.kv_transfer.nixl_agent import (
     KvTransferError,
     TransferState,
     UnknownPeerError,
+    recommended_environment,
 )
 
 NUM_TENSORS = 4  # two layers, K and V each
@@ -157,6 +158,23 @@ def test_contiguous_read_is_one_descriptor_per_tensor(prefill, decode):
     prefill.wait_notif(TIMEOUT_S)
 
 
+def test_read_without_notif_msg_sends_no_notification(prefill, decode):
+    agent, tensors = decode
+    quiet = agent.read_blocks(prefill.source.agent_name, [7], [7], notif_msg=None)
+    assert agent.wait(quiet, TIMEOUT_S) is TransferState.DONE
+    assert torch.equal(tensors[0][7], _prefill_pool()[0][7])
+    agent.release(quiet)
+    loud = agent.read_blocks(prefill.source.agent_name, [8], [8], notif_msg=b"after")
+    assert agent.wait(loud, TIMEOUT_S) is TransferState.DONE
+    agent.release(loud)
+    assert prefill.wait_notif(TIMEOUT_S) == (agent.name, [b"after"])
+
+
+def test_recommended_environment():
+    assert recommended_environment(uses_cuda=False) == {"THP_MEM_ALLOC_ENABLE": "1"}
+    assert recommended_environment(uses_cuda=True)["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
+
+
 def test_unknown_and_removed_peer_raise_without_posting(prefill, decode):
     agent, _ = decode
     with pytest.raises(UnknownPeerError):
@@ -231,10 +249,14 @@ def test_read_from_a_dead_peer_fails_cleanly():
                 assert second.state is TransferState.ERROR and second.error
                 agent.release(second)
             assert agent.is_peer_failed(peer.source.agent_name)
+            assert not agent.has_peer(peer.source.agent_name)
             assert agent.num_failed_transfers == 1
             with pytest.raises(KvTransferError, match="failed a transfer"):
                 agent.read_blocks(peer.source.agent_name, [3], [3], notif_msg=b"again")
-            agent.remove_peer(peer.source.agent_name)
+            # Reloading drops the failed peer and reconnects, which a dead peer refuses.
+            with pytest.raises(KvTransferError, match="loading metadata"):
+                agent.add_peer(peer.source)
             assert not agent.has_peer(peer.source.agent_name)
+            assert not agent.is_peer_failed(peer.source.agent_name)
     finally:
         peer.stop()

@@ -4,13 +4,16 @@ attributes."""
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
 from pdserve.client import build_generate_request
 from pdserve.launcher import LocalCluster
-from proto.pdserve.v1 import generate_pb2_grpc
+from proto.pdserve.v1 import generate_pb2_grpc, prefill_pb2_grpc
+from shared import convert
+from shared.request import SamplingParams
 from shared.telemetry import SpanAttr
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, children_of
 
@@ -18,6 +21,7 @@ pytestmark = pytest.mark.timeout(120)
 
 BLOCK_SIZE = 16
 MODEL_ARGS = ["--model", "tiny", "--seed", "0", "--block-size", str(BLOCK_SIZE), "--num-blocks", "256"]
+LEASE_S = 3.0
 # Export every 100 ms instead of every 5 s (the SDK's batch processor reads this standard variable).
 FAST_EXPORT_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
 CLIENT_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -54,6 +58,7 @@ def traced(tmp_path_factory):
         endpoint = ["--otlp-endpoint", receiver.endpoint]
         with LocalCluster.start(
             pod_args=[*MODEL_ARGS, *endpoint],
+            prefill_args=["--lease-s", str(LEASE_S)],
             router_args=endpoint,
             env=FAST_EXPORT_ENV,
             log_dir=tmp_path_factory.mktemp("logs"),
@@ -97,11 +102,12 @@ def _child(spans: list[ReceivedSpan], parent: ReceivedSpan, name: str, kind: str
 def test_one_trace_per_request_across_router_prefill_transfer_and_decode(traced):
     cluster, receiver = traced
     rng = random.Random(1)
-    request_ids = [f"trace-{i}" for i in range(3)]
-    for request_id in request_ids:
-        # 40 tokens: 3 blocks to pull, the last one partial.
-        tokens = _generate(cluster.router.address, request_id, [rng.randrange(3, 4096) for _ in range(40)])
-        assert len(tokens) == 6
+    request_ids = [f"trace-{i}" for i in range(4)]
+    # 40 tokens: 3 blocks to pull, the last one partial. Sent at once, so the pods batch them.
+    prompts = [[rng.randrange(3, 4096) for _ in range(40)] for _ in request_ids]
+    with ThreadPoolExecutor(len(request_ids)) as pool:
+        outputs = list(pool.map(lambda args: _generate(cluster.router.address, *args), zip(request_ids, prompts)))
+    assert [len(tokens) for tokens in outputs] == [6] * len(request_ids)
     assert receiver.wait_for(lambda spans: all(_trace_complete(spans, rid) for rid in request_ids), timeout=20), (
         f"incomplete traces; received {sorted({(s.name, s.kind, s.service_name) for s in receiver.spans()})}"
     )
@@ -121,13 +127,16 @@ def test_one_trace_per_request_across_router_prefill_transfer_and_decode(traced)
         if span.trace_id not in trace_ids and span.name in {name for name, _, _ in EXPECTED} | {GET_KV_SOURCE}
     ]
     assert stray == []
-    # The decode pod described the prefill engine once (cached afterwards), inside the first request.
+    # The decode pod described the prefill engine before its first pull (then from its cache), inside
+    # the request that needed it: under that request's Decode server span.
     fetches = [span for span in spans if span.name == GET_KV_SOURCE and span.kind == "CLIENT"]
-    assert len(fetches) == 1 and fetches[0].trace_id in trace_ids
-    server = _one(by_trace[fetches[0].trace_id], GET_KV_SOURCE, "SERVER")
-    assert server.parent_span_id == fetches[0].span_id and server.service_name == "pdserve-prefill"
-    decode_server = _one(by_trace[fetches[0].trace_id], DECODE, "SERVER")
-    assert fetches[0].parent_span_id == decode_server.span_id
+    assert 1 <= len(fetches) <= len(request_ids)
+    for fetch in fetches:
+        assert fetch.trace_id in trace_ids and fetch.service_name == "pdserve-decode"
+        trace = by_trace[fetch.trace_id]
+        assert fetch.parent_span_id == _one(trace, DECODE, "SERVER").span_id
+        server = _child(trace, fetch, GET_KV_SOURCE, "SERVER")
+        assert server.service_name == "pdserve-prefill"
 
 
 def _check_tree(trace: list[ReceivedSpan]) -> None:
@@ -189,3 +198,25 @@ def test_a_clients_traceparent_is_honoured(traced):
     assert {span.trace_id for span in named} == {CLIENT_TRACE_ID}
     root = _one(receiver.spans_by_trace()[CLIENT_TRACE_ID], GENERATE, "SERVER")
     assert root.parent_span_id == CLIENT_SPAN_ID
+
+
+def test_an_expired_hold_ends_its_span_at_the_lease_deadline(traced):
+    cluster, receiver = traced
+    trace_id = "5b8efff798038103d269b633813fc60c"
+    metadata = (("traceparent", f"00-{trace_id}-{CLIENT_SPAN_ID}-01"),)
+    prompt = [random.Random(3).randrange(3, 4096) for _ in range(50)]
+    request = convert.prefill_request_to_proto("expiring", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    with grpc.insecure_channel(cluster.by_name("prefill-0").address) as channel:
+        answer = prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(request, timeout=30, metadata=metadata)
+    assert len(answer.handle.block_ids) == 4  # nobody pulls them
+    assert receiver.wait_for(
+        lambda spans: any(s.name == "kv-hold" and s.trace_id == trace_id for s in spans), timeout=LEASE_S + 10
+    )
+    trace = receiver.spans_by_trace()[trace_id]
+    prefill = _one(trace, PREFILL, "SERVER")
+    assert prefill.parent_span_id == CLIENT_SPAN_ID
+    hold = _child(trace, prefill, "kv-hold")
+    assert hold.attributes[SpanAttr.KV_OUTCOME] == "expired"
+    assert hold.attributes[SpanAttr.KV_BLOCKS] == 4
+    assert hold.end_time_ns == answer.handle.lease_deadline_unix_ms * 1_000_000
+    assert (hold.end_time_ns - hold.start_time_ns) / 1e9 == pytest.approx(LEASE_S, abs=0.01)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class BlockRun:
@@ -17,6 +19,24 @@ class BlockRun:
     num_blocks: int
 
 
+@dataclass(frozen=True)
+class BlockRunArrays:
+    """The same runs as parallel int64 arrays, which transfer descriptors are computed from."""
+
+    remote_starts: np.ndarray
+    local_starts: np.ndarray
+    num_blocks: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.num_blocks)
+
+    def to_list(self) -> list[BlockRun]:
+        return [
+            BlockRun(int(remote), int(local), int(count))
+            for remote, local, count in zip(self.remote_starts, self.local_starts, self.num_blocks)
+        ]
+
+
 def coalesce_block_runs(remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> list[BlockRun]:
     """Pair remote_block_ids[i] with local_block_ids[i] and merge pairs that extend a run on both sides.
 
@@ -24,22 +44,33 @@ def coalesce_block_runs(remote_block_ids: Sequence[int], local_block_ids: Sequen
     free, and sorting lets a caller's unordered ids still merge. A local block may appear only once
     (two sources for one destination would race); a remote block may be read into several places.
     """
-    if len(remote_block_ids) != len(local_block_ids):
-        raise ValueError(
-            f"remote_block_ids has {len(remote_block_ids)} ids but local_block_ids has {len(local_block_ids)}"
-        )
-    if len(set(local_block_ids)) != len(local_block_ids):
-        raise ValueError(f"local_block_ids contains duplicates: {list(local_block_ids)}")
-    pairs = sorted(zip(remote_block_ids, local_block_ids))
-    runs: list[BlockRun] = []
-    for remote_id, local_id in pairs:
-        if runs:
-            last = runs[-1]
-            if (
-                remote_id == last.remote_start + last.num_blocks
-                and local_id == last.local_start + last.num_blocks
-            ):
-                runs[-1] = BlockRun(last.remote_start, last.local_start, last.num_blocks + 1)
-                continue
-        runs.append(BlockRun(remote_id, local_id, 1))
-    return runs
+    return coalesce_block_run_arrays(remote_block_ids, local_block_ids).to_list()
+
+
+def coalesce_block_run_arrays(remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> BlockRunArrays:
+    """coalesce_block_runs, vectorised: thousands of blocks per request cost well under a millisecond."""
+    remote = as_block_id_array("remote_block_ids", remote_block_ids)
+    local = as_block_id_array("local_block_ids", local_block_ids)
+    if len(remote) != len(local):
+        raise ValueError(f"remote_block_ids has {len(remote)} ids but local_block_ids has {len(local)}")
+    if len(np.unique(local)) != len(local):
+        raise ValueError(f"local_block_ids contains duplicates: {local.tolist()}")
+    if len(remote) == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return BlockRunArrays(empty, empty, empty)
+    order = np.lexsort((local, remote))  # by remote id, then local id
+    remote, local = remote[order], local[order]
+    continues = (np.diff(remote) == 1) & (np.diff(local) == 1)
+    starts = np.flatnonzero(np.concatenate(([True], ~continues)))
+    num_blocks = np.diff(np.append(starts, len(remote)))
+    return BlockRunArrays(remote[starts], local[starts], num_blocks)
+
+
+def as_block_id_array(name: str, block_ids: Sequence[int]) -> np.ndarray:
+    """Block ids as a 1-D int64 array; ValueError for anything that is not a sequence of integers."""
+    array = np.asarray(block_ids)
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be a flat sequence of integers, got {array.dtype} of shape {array.shape}")
+    return array.astype(np.int64, copy=False)

@@ -2,7 +2,8 @@
 
 This module moves bytes only; who holds which blocks and when they are confirmed is the connector's job.
 
-How the services use it (DESIGN.md section 3):
+Composition root, before torch is imported: ``os.environ.update(recommended_environment(uses_cuda=...))``
+(huge pages for CPU pools; cuda_ipc READs on a GPU without NVLink, which UCX otherwise routes over TCP).
 
 Prefill pod (the side being read from), once at start-up::
 
@@ -14,39 +15,46 @@ Prefill pod (the side being read from), once at start-up::
   and in every engine-loop iteration while it holds blocks for a peer::
 
     for peer_name, messages in agent.get_notifs().items():
-        ...  # each message is the request id (bytes) of a READ that peer completed
+        ...  # each message is the notif_msg (request id bytes) of a READ that peer completed
 
-  With the progress thread off, UCX advances only inside calls into the agent: a side that is read
-  from and never calls get_notifs()/progress() can stall the READ. Call it every step, cheaply.
+  With the progress thread off, UCX advances only inside calls into the agent, so call this every
+  step: a READ that asked for a notification is DONE only after this side's next call.
 
 Decode pod (the side that reads), once per prefill engine (cache by agent name)::
 
     agent = KvTransferAgent(KvTransferAgent.unique_name("decode"))
     agent.register_kv_caches(kv_tensors)
-    if not agent.has_peer(source.agent_name):
-        agent.add_peer(source)             # raises KvLayoutMismatchError if pools differ
+    if not agent.has_peer(source.agent_name):   # add_peer() is also free when already added
+        agent.add_peer(source)   # (re)loads it, also after a failure; KvLayoutMismatchError, KvTransferError
 
   per request, for the blocks that are not in its own prefix cache::
 
     transfer = agent.read_blocks(source.agent_name, remote_block_ids, local_block_ids,
-                                 notif_msg=request_id.encode())
+                                 notif_msg=request_id.encode())   # or None: no notification
     ...  # each engine step:
     state = agent.poll(transfer)          # TransferState.DONE / PENDING / ERROR, never blocks
     if state is not TransferState.PENDING:
         agent.release(transfer)           # then ReleaseKv to prefill on DONE; recompute/fail on ERROR
-    # transfer.num_bytes, transfer.num_blocks, transfer.seconds, transfer.gb_per_s feed spans/metrics.
+    # transfer.num_bytes, num_blocks, num_descriptors, seconds, gb_per_s feed spans and metrics.
 
-  A PENDING transfer that is abandoned (deadline) must be released with release(); if that returns
-  False NIXL could not cancel it, so the local blocks may still be written: keep them, retry later.
+  read_blocks raises ValueError for bad block ids, UnknownPeerError for a peer never added (or
+  removed), KvTransferError when NIXL refuses the READ (a peer that exited: NIXL_ERR_REMOTE_DISCONNECT).
+  A failed READ marks the peer failed (has_peer() turns False) and read_blocks refuses it until
+  add_peer() reloads it, which raises KvTransferError while the peer stays unreachable (repeated
+  posts to a disconnected peer are a crash path in NIXL's UCX backend; see ai-dynamo/nixl#1868).
+  A PENDING READ abandoned at a deadline must be release()d; if that returns False NIXL could not
+  cancel it, so the local blocks may still be written: keep them and retry the release later.
+  On CPU pools UCX copies with process_vm_readv (cma) inside read_blocks itself: the call returns
+  after the bytes moved (about 1 ms per 8 MiB on a 2-core VM), so post one READ per request.
 
 Memory: tensors may be CPU (registered as "DRAM") or CUDA ("VRAM", with the tensor's device index).
 Every tensor is [num_blocks, ...] and contiguous, so block b of a tensor is the byte range
-[b * block_bytes, (b + 1) * block_bytes) from its base address. For a CPU pool, allocate it on
-transparent huge pages (THP_MEM_ALLOC_ENABLE=1 in the environment before torch is imported, set by
-the composition root or the pod spec): it makes the READs markedly faster.
+[b * block_bytes, (b + 1) * block_bytes) from its base address. The agent keeps the tensors alive
+until close(): freeing registered memory first corrupts the heap when NIXL tears down.
 """
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import time
@@ -64,6 +72,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _MEM_TYPES = ("DRAM", "VRAM")
+# Notifications progress() keeps per peer for get_notifs(); older ones are dropped, so a side that
+# only calls progress() (and never reads them) does not grow without bound.
+MAX_KEPT_NOTIFS_PER_PEER = 4096
+
+
+def recommended_environment(*, uses_cuda: bool) -> dict[str, str]:
+    """Variables to set before torch is imported and any agent exists (both read them once)."""
+    environment = {"THP_MEM_ALLOC_ENABLE": "1"}  # torch puts large CPU tensors on huge pages
+    if uses_cuda:
+        # UCX disables cuda_ipc READs between processes unless NVLink is detected, then falls back
+        # to TCP: on one H200 that was 0.5 GB/s instead of 125 GB/s for 128 MiB.
+        environment["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"
+    return environment
 
 
 class KvTransferError(RuntimeError):
@@ -172,7 +193,11 @@ def _nixl_api():
 
 
 class KvTransferAgent:
-    """A NIXL agent (UCX backend, no progress thread) owning one registered KV pool."""
+    """A NIXL agent (UCX backend, no progress thread) owning one registered KV pool.
+
+    Not thread-safe (NIXL runs without locks here): call it from one thread, the engine loop;
+    kv_source() alone may be called from any thread.
+    """
 
     @staticmethod
     def unique_name(prefix: str) -> str:
@@ -192,12 +217,13 @@ class KvTransferAgent:
         if missing:
             raise KvTransferError(f"NIXL backend(s) {missing} are not available to agent {name!r}")
         self._pool: _Pool | None = None
+        self._source: KvSource | None = None
         self._reg_descs = None
         self._kv_tensors: list = []
         self._peers: dict[str, KvSource] = {}
         self._failed_peers: set[str] = set()
         self._open_transfers: list[KvTransfer] = []
-        self._notifs: dict[str, list[bytes]] = {}
+        self._notifs: dict[str, collections.deque[bytes]] = {}
         self.num_bytes_read = 0
         self.num_transfers = 0
         self.num_failed_transfers = 0
@@ -218,12 +244,8 @@ class KvTransferAgent:
         self._pool = pool
         # Registered memory must outlive the registration: freeing it first corrupts the heap at teardown.
         self._kv_tensors = list(kv_tensors)
-        return self.kv_source()
-
-    def kv_source(self) -> KvSource:
-        """This agent's metadata and pool layout, as a GetKvSource answer carries them."""
-        pool = self._require_pool()
-        return KvSource(
+        # Fixed from here on; kept so that kv_source() never calls into NIXL from another thread.
+        self._source = KvSource(
             agent_name=self.name,
             agent_metadata=self._agent.get_agent_metadata(),
             mem_type=pool.mem_type,
@@ -231,10 +253,17 @@ class KvTransferAgent:
             block_bytes=pool.block_bytes,
             num_blocks=pool.num_blocks,
         )
+        return self._source
+
+    def kv_source(self) -> KvSource:
+        """This agent's metadata and pool layout, as a GetKvSource answer carries them (any thread)."""
+        self._require_pool()
+        return self._source
 
     # ---- peers ---------------------------------------------------------------------------
     def has_peer(self, peer_name: str) -> bool:
-        return peer_name in self._peers
+        """The peer is added and usable; False for a failed peer, which add_peer() reloads."""
+        return peer_name in self._peers and peer_name not in self._failed_peers
 
     def add_peer(self, source: KvSource) -> None:
         """Load a peer's metadata so blocks can be read from it; a repeat with the same metadata is free."""
@@ -259,7 +288,7 @@ class KvTransferAgent:
         self._peers[source.agent_name] = source
 
     def is_peer_failed(self, peer_name: str) -> bool:
-        """A transfer from this peer failed: remove_peer() and add_peer() a fresh KvSource before reading again."""
+        """A transfer from this peer failed: add_peer() a fresh KvSource before reading again."""
         return peer_name in self._failed_peers
 
     def remove_peer(self, peer_name: str) -> None:
@@ -287,7 +316,8 @@ class KvTransferAgent:
 
         With notif_msg, the peer receives it once the READ completes, and the READ only counts as
         DONE once the notification went out, which waits for the peer's next progress() call.
-        Without it (None), DONE means the bytes have landed. Returns without waiting; poll() it.
+        Without it (None), DONE means the bytes have landed. Returns once posted (for CPU pools that
+        is after the copy itself, see the module docstring); poll() it.
         """
         self._check_open()
         pool = self._require_pool()
@@ -295,8 +325,10 @@ class KvTransferAgent:
         if source is None:
             raise UnknownPeerError(f"no NIXL peer named {peer_name!r}; add_peer() it first")
         if peer_name in self._failed_peers:
-            raise KvTransferError(f"peer {peer_name!r} failed a transfer; remove_peer() it and add_peer() a fresh KvSource")
-        if not remote_block_ids:
+            raise KvTransferError(
+                f"peer {peer_name!r} failed a transfer; add_peer() a fresh KvSource before reading again"
+            )
+        if len(remote_block_ids) == 0:
             raise ValueError("read_blocks needs at least one block id")
         _check_block_ids("remote", remote_block_ids, source.num_blocks)
         _check_block_ids("local", local_block_ids, pool.num_blocks)
@@ -338,7 +370,9 @@ class KvTransferAgent:
         if status == "ERR":
             _release_quietly(handle)
             self._mark_failed(transfer.peer_name)
-            raise KvTransferError(f"NIXL rejected the READ of {transfer.num_blocks} blocks from {transfer.peer_name!r}")
+            raise KvTransferError(
+                f"NIXL rejected the READ of {transfer.num_blocks} blocks from {transfer.peer_name!r}"
+            )
         if status == "DONE":
             self._finish(transfer, TransferState.DONE)
         return handle
@@ -405,16 +439,18 @@ class KvTransferAgent:
         if self._agent is None:
             return
         for peer_name, messages in self._agent.get_new_notifs().items():
-            self._notifs.setdefault(peer_name, []).extend(messages)
+            kept = self._notifs.setdefault(peer_name, collections.deque(maxlen=MAX_KEPT_NOTIFS_PER_PEER))
+            kept.extend(messages)
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         """Notifications received since the last call, by peer name: each is a completed READ's notif_msg."""
         self.progress()
         notifs, self._notifs = self._notifs, {}
-        return notifs
+        return {peer_name: list(messages) for peer_name, messages in notifs.items()}
 
     def send_notif(self, peer_name: str, message: bytes) -> None:
         """A standalone message to a peer (not bound to a transfer)."""
+        self._check_open()
         if peer_name not in self._peers:
             raise UnknownPeerError(f"no NIXL peer named {peer_name!r}")
         try:
@@ -507,7 +543,9 @@ def _check_compatible(pool: _Pool, source: KvSource) -> None:
         )
     for region in source.regions:
         if region.num_bytes < source.num_blocks * source.block_bytes:
-            raise ValueError(f"peer {source.agent_name!r} region {region} is smaller than its {source.num_blocks} blocks")
+            raise ValueError(
+                f"peer {source.agent_name!r} region {region} is smaller than its {source.num_blocks} blocks"
+            )
 
 
 def _check_block_ids(side: str, block_ids: Sequence[int], num_blocks: int) -> None:

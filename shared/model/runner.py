@@ -52,7 +52,8 @@ class ModelRunner:
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         if self.max_model_len > self.config.max_position_embeddings:
             raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's {self.config.max_position_embeddings} positions"
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"{self.config.max_position_embeddings} positions"
             )
         self.proposer = NgramProposer(num_speculative_tokens, ngram_min, ngram_max) if num_speculative_tokens else None
         self.connector = connector
