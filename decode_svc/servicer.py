@@ -16,6 +16,7 @@ from opentelemetry import trace
 from proto.pdserve.v1 import common_pb2, decode_pb2_grpc
 from shared import convert
 from shared.engine_loop import EngineStopped, RequestStream
+from shared.kv_transfer.connector import KVLoadFailurePolicy
 from shared.kv_transfer.handle import KvPullOutcome, KvPullStats
 from shared.kv_transfer.nixl import REMOTE_HANDLE, REMOTE_SOURCE
 from shared.metrics import ServiceMetrics
@@ -33,6 +34,10 @@ PULL_ABORTED = "aborted"
 # Requests that ended mid-pull still confirm the pull (ReleaseKv) later; their trace context waits
 # here for that call, bounded in case a confirmation never comes.
 MAX_LATE_RELEASES = 1024
+
+
+class KvUnusable(RuntimeError):
+    """The handle's KV cannot be used and the kv-load-failure policy says fail instead of recompute."""
 
 
 @dataclass
@@ -97,7 +102,11 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
             span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(work.prompt_token_ids))
             if parent is not None and request_id not in self._traces:
                 traced = self._traces[request_id] = _DecodeTrace(parent)
-            engine_request, early_stats = await self._engine_request(work)
+            try:
+                engine_request, early_stats = await self._engine_request(work)
+            except KvUnusable as exc:
+                outcome = "error"
+                await context.abort(grpc.StatusCode.ABORTED, str(exc))
             try:
                 stream = self.pod.submit(engine_request)
             except PodOverloaded as exc:
@@ -112,6 +121,7 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
             if traced is not None:
                 traced.stream = stream
             is_first = True
+            stats = None
             try:
                 async for outputs in stream.batches():
                     token_ids = [t for output in outputs for t in output.new_token_ids]
@@ -129,9 +139,13 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
                         self.metrics.ttft_seconds.observe(ttft_s)
                         span.set_attribute(SpanAttr.TTFT_S, ttft_s)
                     num_tokens += len(token_ids)
+                    if finish_reason is FinishReason.ERROR:
+                        # Only the kv-load-failure policy "fail" ends a decode this way: say so.
+                        outcome = "error"
+                        await context.abort(grpc.StatusCode.ABORTED, self._failure_message(request_id, stats))
                     if finish_reason is not None:
                         # Settled before the last message goes out: a caller may hang up once it has it.
-                        outcome = "error" if finish_reason is FinishReason.ERROR else "ok"
+                        outcome = "ok"
                         self._record_finish(span, num_tokens, finish_reason, first_token_at)
                     yield convert.decode_chunk_to_proto(chunk)
             except EngineStopped as exc:
@@ -151,6 +165,13 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
             if traced is not None:
                 self._end_trace(request_id, traced, num_tokens, finish_reason)
 
+    def _failure_message(self, request_id: str, stats: KvPullStats | None) -> str:
+        outcome = stats.outcome.value if stats is not None else "unknown"
+        return (
+            f"request {request_id}: the prompt's KV could not be used (pull outcome: {outcome}) and this decode "
+            f"pod's kv-load-failure policy is '{self.pod.config.kv_load_failure_policy.value}'"
+        )
+
     def _record_finish(self, span, num_tokens: int, reason: FinishReason, first_token_at: float | None) -> None:
         span.set_attribute(SpanAttr.NUM_OUTPUT_TOKENS, num_tokens)
         span.set_attribute(SpanAttr.FINISH_REASON, reason.value)
@@ -166,13 +187,18 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
         kv_params = None
         stats = KvPullStats(0, 0, 0, 0.0, KvPullOutcome.NO_HANDLE)
         if work.handle is not None:
+            unusable = self.pod.connector.pull_precheck(work.handle)
             try:
-                source = await self.sources.get(work.handle)
+                source = await self.sources.get(work.handle) if unusable is None else None
                 kv_params = {REMOTE_HANDLE: work.handle, REMOTE_SOURCE: source}
             except KvSourceUnavailable as exc:
-                logger.warning("cannot pull %s, recomputing: %s", work.request_id, exc)
-                stats = KvPullStats(0, 0, 0, 0.0, KvPullOutcome.RECOMPUTED_ERROR)
+                logger.warning("cannot pull %s: %s", work.request_id, exc)
+                unusable = KvPullOutcome.RECOMPUTED_ERROR
                 self.sources.release_quietly(work.handle, work.request_id)
+            if unusable is not None and self.pod.config.kv_load_failure_policy is KVLoadFailurePolicy.FAIL:
+                raise KvUnusable(self._failure_message(work.request_id, KvPullStats(0, 0, 0, 0.0, unusable)))
+            if unusable is KvPullOutcome.RECOMPUTED_ERROR:
+                stats, kv_params = KvPullStats(0, 0, 0, 0.0, unusable), None
         engine_request = Request(
             work.request_id,
             work.prompt_token_ids + work.generated_token_ids,

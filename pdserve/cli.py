@@ -16,7 +16,7 @@ SERVICE_MODULES = {
     "decode": "decode_svc.__main__",
     "colocated": "colocated_svc.__main__",
 }
-DEMO_PROMPT = [1, 15, 27, 300, 42, 7, 99, 512, 1024, 33, 5, 18]
+DEMO_PROMPT = [3461, 1580, 3107, 3649, 1725, 168, 1063, 3957, 2097, 1993, 1661, 3764, 3213, 3402, 1245, 3967]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--model", default="tiny", help="built-in preset or HF model directory (default tiny)")
     up.add_argument("--otlp-endpoint", default=None, help="send traces of all three services to this OTLP/gRPC endpoint")
     up.add_argument("--log-dir", type=Path, default=Path("pdserve-logs"), help="where the services' logs go")
+    up.add_argument("--metrics", action="store_true", help="give every service a Prometheus port and print it")
     up.add_argument("--demo", action="store_true", help="stream one completion through the system, then stop")
     up.add_argument("--max-tokens", type=int, default=24, help="tokens to generate in the demo")
     up.set_defaults(run=_run_up)
@@ -97,9 +98,12 @@ def _run_up(args: argparse.Namespace) -> None:
         pod_args += ["--otlp-endpoint", args.otlp_endpoint]
         router_args += ["--otlp-endpoint", args.otlp_endpoint]
     print(f"starting router, prefill and decode (model {args.model}); logs in {args.log_dir}/", flush=True)
-    with LocalCluster.start(pod_args=pod_args, router_args=router_args, log_dir=args.log_dir) as cluster:
+    with LocalCluster.start(
+        pod_args=pod_args, router_args=router_args, with_metrics=args.metrics, log_dir=args.log_dir
+    ) as cluster:
         for service in cluster.services:
-            print(f"  {service.name:10s} {service.address}  (pid {service.pid})", flush=True)
+            metrics = f"  metrics {service.metrics_url}" if service.metrics_url else ""
+            print(f"  {service.name:10s} {service.address}  (pid {service.pid}){metrics}", flush=True)
         if args.demo:
             print(f"streaming a completion of prompt {DEMO_PROMPT} through {cluster.router.address}:", flush=True)
             _stream(cluster.router.address, DEMO_PROMPT, dict(max_tokens=args.max_tokens, ignore_eos=True), 120.0)

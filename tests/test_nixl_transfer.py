@@ -123,6 +123,28 @@ def test_coalesce_empty_and_invalid_input():
         coalesce_block_runs([1, 2], [3, 3])
 
 
+def test_coalesce_rejects_non_integer_ids():
+    with pytest.raises(ValueError, match="integers"):
+        coalesce_block_runs([1.0, 2.0], [3, 4])
+
+
+def test_coalesce_runs_cover_exactly_the_pairs_and_neighbours_do_not_extend():
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(20):
+        local_ids = torch.randperm(64, generator=generator)[:40].tolist()
+        remote_ids = torch.randint(0, 32, (40,), generator=generator).tolist()
+        runs = coalesce_block_runs(remote_ids, local_ids)
+        expanded = {(run.remote_start + k, run.local_start + k) for run in runs for k in range(run.num_blocks)}
+        assert expanded == set(zip(remote_ids, local_ids))
+        assert sum(run.num_blocks for run in runs) == len(local_ids)
+        for first, second in zip(runs, runs[1:]):
+            extends = (
+                second.remote_start == first.remote_start + first.num_blocks
+                and second.local_start == first.local_start + first.num_blocks
+            )
+            assert not extends
+
+
 # ---- transfers -------------------------------------------------------------------------------
 def test_scattered_read_copies_exact_bytes_and_notifies_prefill(prefill, decode):
     agent, tensors = decode

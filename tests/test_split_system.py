@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.client import PdserveClient
-from pdserve.launcher import LocalCluster
+from pdserve.launcher import LocalCluster, free_port, start_service, wait_serving
 from proto.pdserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -248,3 +248,31 @@ def test_bad_input_gets_invalid_argument_and_leaves_nothing_behind(cluster, prom
     assert message in error.value.details()
     _assert_all_blocks_free(cluster)
     assert all(service.is_running() for service in cluster.services)
+
+
+def test_policy_fail_ends_the_request_with_a_clear_status_instead_of_recomputing(cluster, tmp_path):
+    port = free_port()
+    strict = start_service(
+        "decode-fail", "decode_svc",
+        ["--host", "127.0.0.1", "--port", str(port), *MODEL_ARGS, "--kv-load-failure-policy", "fail"],
+        address=f"127.0.0.1:{port}", log_dir=tmp_path,
+    )
+    try:
+        wait_serving(strict)
+        prompt = _prompts(1, seed=10)[0] + [8] * 20
+        sampling = dict(max_tokens=6, ignore_eos=True)
+        answer = _prefill(cluster, "strict-1", prompt, **sampling)
+        time.sleep(LEASE_S + 0.5)
+        request = decode_pb2.DecodeRequest(
+            request_id="strict-1", prompt_token_ids=prompt, generated_token_ids=[answer.first_token_id],
+            sampling=convert.sampling_params_to_proto(SamplingParams(**sampling)), handle=answer.handle,
+        )
+        with grpc.insecure_channel(strict.address) as channel, pytest.raises(grpc.RpcError) as error:
+            list(decode_pb2_grpc.DecodeServiceStub(channel).Decode(request, timeout=30))
+        assert error.value.code() == grpc.StatusCode.ABORTED
+        assert "recomputed_lease_expired" in error.value.details() and "'fail'" in error.value.details()
+        with grpc.insecure_channel(strict.address) as channel:
+            load = decode_pb2_grpc.DecodeServiceStub(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=5).load
+        assert load.num_free_blocks == load.num_total_blocks
+    finally:
+        strict.stop()

@@ -169,7 +169,7 @@ class NixlConnector(KVConnectorBase):
         handle: KvHandle | None = params.get(REMOTE_HANDLE)
         if handle is None or request.request_id in self._resolved:
             return 0, False
-        outcome = self._pull_precheck(handle)
+        outcome = self.pull_precheck(handle)
         if outcome is None and handle.num_tokens <= num_computed_tokens:
             outcome = KvPullOutcome.PREFIX_CACHE_HIT
         if outcome is not None:
@@ -181,7 +181,8 @@ class NixlConnector(KVConnectorBase):
             return 0, False
         return handle.num_tokens - num_computed_tokens, True
 
-    def _pull_precheck(self, handle: KvHandle) -> KvPullOutcome | None:
+    def pull_precheck(self, handle: KvHandle) -> KvPullOutcome | None:
+        """Why a handle's KV cannot be used as it stands (None: it may be pulled)."""
         if handle.layout != self.layout:
             return KvPullOutcome.RECOMPUTED_LAYOUT_MISMATCH
         if self._clock() * 1000 >= handle.lease_deadline_unix_ms:

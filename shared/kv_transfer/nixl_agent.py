@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from shared.kv_transfer.block_runs import BlockRun, coalesce_block_runs
+from shared.kv_transfer.block_runs import as_block_id_array, coalesce_block_run_arrays
 
 if TYPE_CHECKING:
     import torch
@@ -328,17 +328,19 @@ class KvTransferAgent:
             raise KvTransferError(
                 f"peer {peer_name!r} failed a transfer; add_peer() a fresh KvSource before reading again"
             )
-        if len(remote_block_ids) == 0:
+        remote_ids = as_block_id_array("remote_block_ids", remote_block_ids)
+        local_ids = as_block_id_array("local_block_ids", local_block_ids)
+        if len(remote_ids) == 0:
             raise ValueError("read_blocks needs at least one block id")
-        _check_block_ids("remote", remote_block_ids, source.num_blocks)
-        _check_block_ids("local", local_block_ids, pool.num_blocks)
-        runs = coalesce_block_runs(remote_block_ids, local_block_ids)
-        local_descs = _run_descs(pool.regions, pool.block_bytes, runs, remote=False)
-        remote_descs = _run_descs(source.regions, source.block_bytes, runs, remote=True)
+        _check_block_ids("remote", remote_ids, source.num_blocks)
+        _check_block_ids("local", local_ids, pool.num_blocks)
+        runs = coalesce_block_run_arrays(remote_ids, local_ids)
+        local_descs = _run_descs(pool.regions, pool.block_bytes, runs.local_starts, runs.num_blocks)
+        remote_descs = _run_descs(source.regions, source.block_bytes, runs.remote_starts, runs.num_blocks)
         transfer = KvTransfer(
             peer_name=peer_name,
             notif_msg=b"" if notif_msg is None else bytes(notif_msg),
-            num_blocks=len(local_block_ids),
+            num_blocks=len(local_ids),
             num_runs=len(runs),
             num_descriptors=len(local_descs),
             num_bytes=int(local_descs[:, 1].sum()),
@@ -548,25 +550,22 @@ def _check_compatible(pool: _Pool, source: KvSource) -> None:
             )
 
 
-def _check_block_ids(side: str, block_ids: Sequence[int], num_blocks: int) -> None:
-    bad = [block_id for block_id in block_ids if not 0 <= block_id < num_blocks]
-    if bad:
-        raise ValueError(f"{side} block ids {bad[:8]} are outside 0..{num_blocks - 1}")
+def _check_block_ids(side: str, block_ids: np.ndarray, num_blocks: int) -> None:
+    bad = block_ids[(block_ids < 0) | (block_ids >= num_blocks)]
+    if len(bad):
+        raise ValueError(f"{side} block ids {bad[:8].tolist()} are outside 0..{num_blocks - 1}")
 
 
-def _run_descs(regions: Sequence[KvRegion], block_bytes: int, runs: Sequence[BlockRun], *, remote: bool) -> np.ndarray:
-    """(address, length, device id) rows: for each tensor, one row per run."""
-    starts = np.fromiter(
-        (run.remote_start if remote else run.local_start for run in runs), dtype=np.uint64, count=len(runs)
-    )
-    lengths = np.fromiter((run.num_blocks for run in runs), dtype=np.uint64, count=len(runs)) * np.uint64(block_bytes)
-    offsets = starts * np.uint64(block_bytes)
-    descs = np.empty((len(regions) * len(runs), 3), dtype=np.uint64)
-    for index, region in enumerate(regions):
-        rows = slice(index * len(runs), (index + 1) * len(runs))
-        descs[rows, 0] = np.uint64(region.base_address) + offsets
-        descs[rows, 1] = lengths
-        descs[rows, 2] = region.device_id
+def _run_descs(regions: Sequence[KvRegion], block_bytes: int, starts: np.ndarray, num_blocks: np.ndarray) -> np.ndarray:
+    """(address, length, device id) rows: for each tensor in order, one row per run."""
+    offsets = starts.astype(np.uint64) * np.uint64(block_bytes)
+    lengths = num_blocks.astype(np.uint64) * np.uint64(block_bytes)
+    bases = np.array([region.base_address for region in regions], dtype=np.uint64)
+    device_ids = np.array([region.device_id for region in regions], dtype=np.uint64)
+    descs = np.empty((len(regions) * len(starts), 3), dtype=np.uint64)
+    descs[:, 0] = (bases[:, None] + offsets[None, :]).ravel()
+    descs[:, 1] = np.tile(lengths, len(regions))
+    descs[:, 2] = np.repeat(device_ids, len(starts))
     return descs
 
 
