@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 import time
@@ -21,6 +22,7 @@ DEMO_PROMPT = [3461, 1580, 3107, 3649, 1725, 168, 1063, 3957, 2097, 1993, 1661, 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _set_transfer_environment()
     if argv and argv[0] in SERVICE_MODULES:
         sys.exit(importlib.import_module(SERVICE_MODULES[argv[0]]).main(argv[1:]) or 0)
     if argv and argv[0] == "bench":
@@ -28,6 +30,15 @@ def main(argv: list[str] | None = None) -> None:
         return
     args = _parser().parse_args(argv)
     args.run(args)
+
+
+def _set_transfer_environment() -> None:
+    """Before torch and NIXL load: huge pages for the KV pool, CUDA IPC READs on a GPU (both are read once)."""
+    from shared.kv_transfer.nixl_agent import recommended_environment
+
+    uses_cuda = os.path.exists("/dev/nvidia0")
+    for name, value in recommended_environment(uses_cuda=uses_cuda).items():
+        os.environ.setdefault(name, value)
 
 
 def _parser() -> argparse.ArgumentParser:

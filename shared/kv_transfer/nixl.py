@@ -239,7 +239,9 @@ class NixlConnector(KVConnectorBase):
                 pull.source.agent_name,
                 pull.remote_block_ids,
                 pull.local_block_ids,
-                notif_msg=pull.request_id.encode(),
+                # No NIXL notification: with one, DONE waits for the prefill engine's next poll;
+                # ReleaseKv over gRPC is the confirmation that matters.
+                notif_msg=None,
             )
         except (KvTransferError, ValueError) as exc:
             logger.warning("posting the pull of %s failed: %s", pull.request_id, exc)
