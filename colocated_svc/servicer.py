@@ -13,38 +13,16 @@ from proto.pdserve.v1 import generate_pb2_grpc
 from shared import convert
 from shared.engine_loop import EngineStopped
 from shared.metrics import ServiceMetrics
-from shared.pod import PodOverloaded
-from shared.pod_main import PodServicer
+from shared.pod_main import ADMISSION_ERRORS, PodServicer, admission_status
 from shared.request import FinishReason, Request, SamplingParams
 from shared.telemetry import SpanAttr
+from shared.text import TextStream
 
 logger = logging.getLogger(__name__)
 
 
 class InvalidRequest(ValueError):
     """The call's input is unusable; the message says why (-> INVALID_ARGUMENT)."""
-
-
-class _TextStream:
-    """Incremental detokenizer of one response (a character split across tokens comes out once whole)."""
-
-    def __init__(self, tokenizer):
-        from tokenizers.decoders import DecodeStream
-
-        self._tokenizer = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
-
-    def push(self, token_ids: list[int]) -> str:
-        pieces = []
-        for token_id in token_ids:
-            try:
-                piece = self._stream.step(self._tokenizer, token_id)
-            except Exception as exc:  # noqa: BLE001 - text is a convenience; token ids stay authoritative
-                logger.debug("cannot detokenize %d: %s", token_id, exc)
-                piece = None
-            if piece:
-                pieces.append(piece)
-        return "".join(pieces)
 
 
 class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
@@ -85,13 +63,10 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
             span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(prompt_ids))
             try:
                 stream = pod.submit(Request(engine_request_id, prompt_ids, sampling, eos_token_id=pod.eos_token_id))
-            except PodOverloaded as exc:
-                outcome = "overloaded"
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            except EngineStopped as exc:
-                outcome = "error"
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            text = _TextStream(self.tokenizer) if self.tokenizer is not None else None
+            except ADMISSION_ERRORS as exc:
+                code, outcome = admission_status(exc)
+                await context.abort(code, str(exc))
+            text = TextStream(self.tokenizer) if self.tokenizer is not None else None
             try:
                 async for outputs in stream.batches():
                     token_ids = [t for output in outputs for t in output.new_token_ids]

@@ -20,8 +20,7 @@ from shared.kv_transfer.connector import KVLoadFailurePolicy
 from shared.kv_transfer.handle import KvPullOutcome, KvPullStats
 from shared.kv_transfer.nixl import REMOTE_HANDLE, REMOTE_SOURCE
 from shared.metrics import ServiceMetrics
-from shared.pod import PodOverloaded
-from shared.pod_main import PodServicer
+from shared.pod_main import ADMISSION_ERRORS, PodServicer, admission_status
 from shared.request import FinishReason, Request
 from shared.telemetry import SpanAttr
 
@@ -109,15 +108,9 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
                 await context.abort(grpc.StatusCode.ABORTED, str(exc))
             try:
                 stream = self.pod.submit(engine_request)
-            except PodOverloaded as exc:
-                outcome = "overloaded"
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            except ValueError as exc:
-                outcome = "invalid"
-                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-            except EngineStopped as exc:
-                outcome = "error"
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            except ADMISSION_ERRORS as exc:
+                code, outcome = admission_status(exc)
+                await context.abort(code, str(exc))
             if traced is not None:
                 traced.stream = stream
             is_first = True

@@ -18,8 +18,7 @@ from shared.engine_loop import EngineStopped, RequestStream
 from shared.kv_transfer.handle import KvHandle
 from shared.kv_transfer.nixl import DO_REMOTE_DECODE, REMOTE_HANDLE
 from shared.metrics import ServiceMetrics
-from shared.pod import PodOverloaded
-from shared.pod_main import PodServicer
+from shared.pod_main import ADMISSION_ERRORS, PodServicer, admission_status
 from shared.request import FinishReason, Request, SamplingParams
 from shared.telemetry import SpanAttr
 
@@ -87,15 +86,9 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
             )
             try:
                 stream = self.pod.submit(engine_request)
-            except PodOverloaded as exc:
-                outcome = "overloaded"
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            except ValueError as exc:
-                outcome = "invalid"
-                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-            except EngineStopped as exc:
-                outcome = "error"
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            except ADMISSION_ERRORS as exc:
+                code, outcome = admission_status(exc)
+                await context.abort(code, str(exc))
             tokens = []
             try:
                 async for output in stream:

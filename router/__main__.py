@@ -13,7 +13,7 @@ from proto.pdserve.v1 import decode_pb2_grpc, generate_pb2_grpc, prefill_pb2_grp
 from router.config import RouterConfig, build_arg_parser
 from router.metrics import RouterMetrics
 from router.servicer import RouterServicer, RouterSettings
-from router.text import TextCodec
+from shared.text import TextCodec
 from router.workers import PoolSettings, WorkerPool
 from shared.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServerOptions
 from shared.metrics import start_metrics_server

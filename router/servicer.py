@@ -15,7 +15,7 @@ from opentelemetry import trace
 from proto.pdserve.v1 import generate_pb2_grpc, prefill_pb2
 from router.metrics import RouterMetrics
 from router.policy import NoPick, pick
-from router.text import TextCodec
+from shared.text import TextCodec
 from router.workers import WorkerPool
 from shared import convert
 from shared.request import FinishReason, SamplingParams

@@ -40,6 +40,7 @@ class PodConfig:
     lease_s: float = 30.0  # producer: how long a finished prompt's blocks wait for their pull
     kv_load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.RECOMPUTE
     advertise_address: str = ""  # producer: host:port decode pods use to reach this pod
+    num_threads: int | None = None  # torch intra-op threads (None: torch's default)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -47,6 +48,8 @@ class PodConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_requests_in_flight < 1:
             raise ValueError(f"max_requests_in_flight must be >= 1, got {self.max_requests_in_flight}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
 
@@ -93,6 +96,7 @@ class Pod:
                 enable_prefix_caching=config.enable_prefix_caching,
             ),
             connector=self.connector,
+            num_threads=config.num_threads,
         )
         self.loop = EngineLoop(self.engine)
         if self.connector is not None:

@@ -12,11 +12,11 @@ from typing import Any, Callable, Mapping, Sequence
 import grpc
 from opentelemetry import context as otel_context
 
-from shared.engine_loop import RequestTimeline
+from shared.engine_loop import EngineStopped, RequestTimeline
 from shared.grpc_server import GrpcServer, ServerOptions
 from shared.kv_transfer.connector import KVLoadFailurePolicy, KVRole
 from shared.metrics import ServiceMetrics, start_metrics_server
-from shared.pod import Pod, PodConfig
+from shared.pod import Pod, PodConfig, PodOverloaded
 from shared.telemetry import (
     DEFAULT_UNTRACED_METHOD_PREFIXES, SpanAttr, Tracing, TracingConfig, record_span, setup_tracing,
 )
@@ -45,6 +45,7 @@ def add_pod_flags(parser: argparse.ArgumentParser, *, default_port: int) -> None
     parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--max-requests-in-flight", type=int, default=defaults.max_requests_in_flight)
     parser.add_argument(
         "--grace-seconds", type=float, default=ServerOptions.grace_seconds,
@@ -64,6 +65,7 @@ def pod_config_from_args(args: argparse.Namespace, **role_settings: Any) -> PodC
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         max_requests_in_flight=args.max_requests_in_flight,
+        num_threads=args.num_threads,
         **role_settings,
     )
 
@@ -87,6 +89,19 @@ async def refresh_gauges(pod: Pod, metrics: ServiceMetrics) -> None:
             num_held_for_peer=load.num_held_blocks,
         )
         await asyncio.sleep(GAUGE_INTERVAL_S)
+
+
+# What Pod.submit raises when it does not admit a request.
+ADMISSION_ERRORS = (PodOverloaded, EngineStopped, ValueError)
+
+
+def admission_status(error: Exception) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and the metrics outcome for a request the pod did not admit."""
+    if isinstance(error, PodOverloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded"
+    if isinstance(error, EngineStopped):
+        return grpc.StatusCode.UNAVAILABLE, "error"
+    return grpc.StatusCode.ALREADY_EXISTS, "invalid"  # its request id is already in flight
 
 
 class PodServicer:
@@ -161,7 +176,7 @@ async def drain(pod: Pod, grace_s: float) -> None:
 
 
 async def run_pod(
-    role: KVRole,
+    role: KVRole | None,
     args: argparse.Namespace,
     pod_config: PodConfig,
     *,

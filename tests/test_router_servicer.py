@@ -16,7 +16,7 @@ from proto.pdserve.v1 import common_pb2, decode_pb2_grpc, generate_pb2, generate
 from proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from router.config import WorkerSpec, parse_worker_spec
 from router.servicer import RouterServicer, RouterSettings
-from router.text import TextCodec
+from shared.text import TextCodec
 from router.workers import PoolSettings, WorkerPool, resolve_dns
 from shared import convert
 from shared.grpc_server import GrpcServer, ServerOptions

@@ -29,7 +29,6 @@ from proto.pdserve.v1 import (
 from shared import convert
 from shared.config import CacheConfig, SchedulerConfig
 from shared.engine import LLMEngine
-from shared.kv_transfer.handle import KvPullOutcome
 from shared.request import FinishReason, SamplingParams
 
 BLOCK_SIZE = 16

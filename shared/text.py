@@ -1,4 +1,4 @@
-"""Text <-> token ids for the router: encodes text prompts and turns streamed token ids into text
+"""Text <-> token ids for services that take text: encodes text prompts and turns streamed token ids into text
 incrementally (a character split across tokens is emitted once it is complete)."""
 from __future__ import annotations
 
