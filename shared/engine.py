@@ -2,6 +2,9 @@
 (schedule -> execute -> update_from_output), plus an offline generate() API.
 
 step() touches nothing outside the engine: the serving loop wraps it in a thread of its own.
+
+    engine = LLMEngine("tiny", SchedulerConfig(), CacheConfig(num_blocks=512))
+    [out] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=8))   # out.token_ids, out.finish_reason
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ class AttentionMetadata:
     num_decode_tokens: int
     decode_block_table: torch.Tensor | None  # long [num_decodes, max_blocks], padded with block 0
     decode_context_lens: torch.Tensor | None  # long [num_decodes]
-    decode_key_mask: torch.Tensor | None  # bool [num_decodes, 1, 1, max_blocks * block_size]
+    decode_key_mask: torch.Tensor | None  # additive (0 / -inf) [num_decodes, 1, 1, max_blocks * block_size]
     spans: list[SequenceSpan]
 
 
@@ -106,6 +106,7 @@ def _span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         v = v.transpose(0, 1).unsqueeze(0)
         # Query i sits at position num_past + i and may see keys 0..num_past + i (bottom-right causal).
         query_pos = torch.arange(num_past, span.context_len).unsqueeze(1)
-        mask = torch.arange(span.context_len).unsqueeze(0) <= query_pos
+        future = torch.arange(span.context_len).unsqueeze(0) > query_pos
+        mask = torch.zeros(future.shape, dtype=query.dtype).masked_fill_(future, float("-inf"))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)

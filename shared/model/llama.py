@@ -124,7 +124,9 @@ class DecoderLayer(nn.Module):
         hidden = hidden + self.o_proj(attn.view(num_tokens, self.q_size))
         gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
+        # In place on the fresh gate_up buffer: no new activation-sized tensors.
+        gate = F.silu(gate, inplace=True).mul_(up)
+        return hidden + self.down_proj(gate)
 
 
 class LlamaModel(nn.Module):

@@ -262,7 +262,10 @@ class ModelRunner:
             table = torch.tensor([(r.state.block_ids[:width] + [0] * width)[:width] for r in decodes],
                                  dtype=torch.long)
             lens = torch.tensor(context, dtype=torch.long)
-            mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+            invalid = torch.arange(width * bs).unsqueeze(0) >= lens.unsqueeze(1)
+            # An additive float mask: SDPA's CPU kernel runs markedly faster with it than with a bool one.
+            mask = torch.zeros(invalid.shape, dtype=self.config.torch_dtype).masked_fill_(invalid, float("-inf"))
+            mask = mask.view(len(decodes), 1, 1, -1)
         spans = []
         row = len(decodes)
         for r in scheduled[len(decodes):]:
