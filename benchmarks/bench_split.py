@@ -91,7 +91,7 @@ def main() -> None:
     del engine
 
     with tempfile.TemporaryDirectory() as logs, LocalCluster.start(
-        pod_args=["--model", args.model, "--num-blocks", "4096"], log_dir=Path(logs)
+        pod_args=["--model", args.model, "--num-blocks", "4096", "--num-threads", "1"], log_dir=Path(logs)
     ) as cluster:
         address = cluster.router.address
         run_split(address, warmup, params)

@@ -29,7 +29,7 @@ from pdserve.bench_stats import markdown_table  # noqa: E402
 from pdserve.launcher import HOST, LocalCluster, free_port, start_service, wait_serving  # noqa: E402
 
 SYSTEMS = ("colocated", "split")
-DEFAULT_ENV = ["OMP_NUM_THREADS=1"]
+DEFAULT_ENV: list[str] = []
 DEFAULT_TTFT_SLO_MS = 100.0
 DEFAULT_TPOT_SLO_MS = 20.0
 # vLLM 0.32 on the reference machine, same workload (seed 0, 128 requests, 128/64 tokens, r=0.5).
@@ -68,8 +68,17 @@ class Colocated:
         self.service.stop()
 
 
+def _num_threads(system: str) -> int:
+    """Torch threads per pod: the colocated pod gets every core, the two split pods half each (the
+    router and the client need the rest; oversubscribed torch threads slow everything down)."""
+    cores = os.cpu_count() or 2
+    return cores if system == "colocated" else max(1, cores // 2)
+
+
 def start_system(system: str, args: argparse.Namespace, log_dir: Path):
     pod_args = ["--model", args.model, *shlex.split(args.pod_args)]
+    if "--num-threads" not in pod_args:
+        pod_args += ["--num-threads", str(_num_threads(system))]
     env = dict(kv.split("=", 1) for kv in args.env)
     if system == "colocated":
         return Colocated.start(pod_args, log_dir, env, args.start_timeout_s)
@@ -152,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pod-args", default="", help="extra flags for every pod, e.g. '--max-num-seqs 64'")
     parser.add_argument("--router-args", default="", help="extra flags for the router")
     parser.add_argument("--env", action="append", default=None, metavar="KEY=VALUE",
-                        help="environment for the services (repeatable; default OMP_NUM_THREADS=1: on a small "
-                             "machine torch's intra-op threads fight the gRPC threads and the other services)")
+                        help="environment for the services (repeatable)")
     parser.add_argument("--start-timeout-s", type=float, default=180.0)
     parser.add_argument("--out-dir", type=Path, default=Path("out/serving_sweep"))
     # A stuck system shows up as failures, not a hang; goodput is judged against these SLOs by default.

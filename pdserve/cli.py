@@ -103,7 +103,8 @@ def _stream(target: str, prompt, sampling: dict, timeout: float) -> None:
 def _run_up(args: argparse.Namespace) -> None:
     from pdserve.launcher import LocalCluster
 
-    pod_args = ["--model", args.model]
+    # Two pods share this machine's cores with the router: one torch pool each, no oversubscription.
+    pod_args = ["--model", args.model, "--num-threads", str(max(1, (os.cpu_count() or 2) // 2))]
     router_args = []
     if args.otlp_endpoint:
         pod_args += ["--otlp-endpoint", args.otlp_endpoint]
