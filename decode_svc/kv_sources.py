@@ -12,7 +12,7 @@ from opentelemetry import context as otel_context
 from proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from shared import convert
 from shared.kv_transfer.handle import KvHandle
-from shared.kv_transfer.nixl_agent import KvRegion, KvSource
+from shared.kv_transfer.nixl_agent import KvSource
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +64,8 @@ class KvSourceCache:
             raise KvSourceUnavailable(
                 f"{handle.source_address} now runs engine {described.engine_id}, not {handle.engine_id}"
             )
-        source = _agent_source(described)
-        self._sources[handle.engine_id] = source
-        return source
+        self._sources[handle.engine_id] = described.source
+        return described.source
 
     def release_from_engine_thread(self, loop: asyncio.AbstractEventLoop, handle: KvHandle, request_id: str) -> None:
         """The connector's release_remote hook: called on the engine thread, runs on the event loop."""
@@ -106,14 +105,3 @@ class KvSourceCache:
             task.cancel()
         for channel in self._channels.values():
             await channel.close()
-
-
-def _agent_source(described: convert.KvSource) -> KvSource:
-    return KvSource(
-        agent_name=described.agent_name,
-        agent_metadata=described.agent_metadata,
-        mem_type=described.memory_kind,
-        regions=tuple(KvRegion(r.address, r.length, r.device_id) for r in described.regions),
-        block_bytes=described.block_bytes,
-        num_blocks=described.num_blocks,
-    )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from proto.pdserve.v1 import common_pb2, decode_pb2, generate_pb2, prefill_pb2
 from shared.kv_transfer.handle import KvHandle, KvLayout, KvPullOutcome, KvPullStats
+from shared.kv_transfer.nixl_agent import KvRegion, KvSource
 from shared.request import FinishReason, SamplingParams
 
 UINT32_MAX = 2**32 - 1
@@ -33,29 +34,12 @@ class LoadReport:
 
 
 @dataclass(frozen=True)
-class MemoryRegion:
-    """One registered KV tensor in the owning process."""
-
-    address: int
-    length: int
-    device_id: int = 0
-
-
-@dataclass(frozen=True)
-class KvSource:
-    """A prefill engine's NIXL agent and registered KV memory (regions in order K0, V0, K1, V1, ...)."""
+class PrefillKvSource:
+    """What GetKvSource answers: the engine incarnation, its KV layout, and the NIXL source to read from."""
 
     engine_id: str
-    agent_name: str
-    agent_metadata: bytes
     layout: KvLayout
-    regions: tuple[MemoryRegion, ...]
-    block_bytes: int
-    num_blocks: int
-    memory_kind: str  # NIXL segment type: "DRAM" or "VRAM"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "regions", tuple(self.regions))
+    source: KvSource
 
 
 @dataclass(frozen=True)
@@ -286,29 +270,30 @@ def kv_handle_from_proto(message: common_pb2.KvHandle) -> KvHandle:
     )
 
 
-def kv_source_to_proto(source: KvSource) -> prefill_pb2.GetKvSourceResponse:
-    if source.memory_kind not in _MEMORY_KIND_TO_PROTO:
-        raise ValueError(f"memory_kind must be one of {sorted(_MEMORY_KIND_TO_PROTO)}, got {source.memory_kind!r}")
+def kv_source_to_proto(described: PrefillKvSource) -> prefill_pb2.GetKvSourceResponse:
+    source = described.source
+    if source.mem_type not in _MEMORY_KIND_TO_PROTO:
+        raise ValueError(f"mem_type must be one of {sorted(_MEMORY_KIND_TO_PROTO)}, got {source.mem_type!r}")
     return prefill_pb2.GetKvSourceResponse(
-        engine_id=source.engine_id,
+        engine_id=described.engine_id,
         agent_name=source.agent_name,
         agent_metadata=source.agent_metadata,
-        layout=kv_layout_to_proto(source.layout),
+        layout=kv_layout_to_proto(described.layout),
         regions=[
             prefill_pb2.MemoryRegion(
-                address=_check_uint("region.address", r.address, UINT64_MAX),
-                length=_check_uint("region.length", r.length, UINT64_MAX),
+                address=_check_uint("region.address", r.base_address, UINT64_MAX),
+                length=_check_uint("region.length", r.num_bytes, UINT64_MAX),
                 device_id=_check_uint("region.device_id", r.device_id),
             )
             for r in source.regions
         ],
         block_bytes=_check_uint("block_bytes", source.block_bytes, UINT64_MAX),
         num_blocks=_check_uint("num_blocks", source.num_blocks),
-        memory_kind=_MEMORY_KIND_TO_PROTO[source.memory_kind],
+        memory_kind=_MEMORY_KIND_TO_PROTO[source.mem_type],
     )
 
 
-def kv_source_from_proto(message: prefill_pb2.GetKvSourceResponse) -> KvSource:
+def kv_source_from_proto(message: prefill_pb2.GetKvSourceResponse) -> PrefillKvSource:
     if not message.engine_id:
         raise ValueError("kv source engine_id is empty")
     if not message.agent_name:
@@ -327,16 +312,15 @@ def kv_source_from_proto(message: prefill_pb2.GetKvSourceResponse) -> KvSource:
                 f"kv source region {index} is {region.length} bytes, smaller than "
                 f"num_blocks * block_bytes = {needed}"
             )
-    return KvSource(
-        engine_id=message.engine_id,
+    source = KvSource(
         agent_name=message.agent_name,
         agent_metadata=bytes(message.agent_metadata),
-        layout=layout,
-        regions=tuple(MemoryRegion(r.address, r.length, r.device_id) for r in message.regions),
+        mem_type=_MEMORY_KIND_FROM_PROTO[message.memory_kind],
+        regions=tuple(KvRegion(r.address, r.length, r.device_id) for r in message.regions),
         block_bytes=message.block_bytes,
         num_blocks=message.num_blocks,
-        memory_kind=_MEMORY_KIND_FROM_PROTO[message.memory_kind],
     )
+    return PrefillKvSource(engine_id=message.engine_id, layout=layout, source=source)
 
 
 # ---- load and pull statistics -----------------------------------------------------------------

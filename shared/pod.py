@@ -7,8 +7,7 @@ import uuid
 from dataclasses import dataclass
 
 from shared.config import CacheConfig, SchedulerConfig
-from shared.convert import KvSource as KvSourceDescription
-from shared.convert import LoadReport, MemoryRegion
+from shared.convert import LoadReport, PrefillKvSource
 from shared.engine import LLMEngine
 from shared.engine_loop import EngineLoop, RequestStream
 from shared.kv_transfer.connector import KVLoadFailurePolicy, KVRole
@@ -143,15 +142,5 @@ class Pod:
             is_overloaded=self.loop.num_in_flight >= self.config.max_requests_in_flight,
         )
 
-    def kv_source(self) -> KvSourceDescription:
-        source = self.connector.agent.kv_source()
-        return KvSourceDescription(
-            engine_id=self.engine_id,
-            agent_name=source.agent_name,
-            agent_metadata=source.agent_metadata,
-            layout=self.layout,
-            regions=tuple(MemoryRegion(r.base_address, r.num_bytes, r.device_id) for r in source.regions),
-            block_bytes=source.block_bytes,
-            num_blocks=source.num_blocks,
-            memory_kind=source.mem_type,
-        )
+    def kv_source(self) -> PrefillKvSource:
+        return PrefillKvSource(self.engine_id, self.layout, self.connector.agent.kv_source())

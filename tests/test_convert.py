@@ -3,6 +3,7 @@ import pytest
 
 from proto.pdserve.v1 import common_pb2, decode_pb2, generate_pb2, prefill_pb2
 from shared import convert
+from shared.kv_transfer.nixl_agent import KvRegion, KvSource
 from shared.request import FinishReason, SamplingParams
 
 LAYOUT = convert.KvLayout("tiny", "float32", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
@@ -73,8 +74,8 @@ def test_kv_handle_round_trip_and_validation():
 
 
 def test_kv_source_round_trip_and_region_checks():
-    regions = [convert.MemoryRegion(0x1000 * (i + 1), 4096, 0) for i in range(4)]
-    source = convert.KvSource("eng-1", "agent-a", b"\x00meta", LAYOUT, regions, 256, 16, "DRAM")
+    regions = tuple(KvRegion(0x1000 * (i + 1), 4096, 0) for i in range(4))
+    source = convert.PrefillKvSource("eng-1", LAYOUT, KvSource("agent-a", b"\x00meta", "DRAM", regions, 256, 16))
     assert convert.kv_source_from_proto(convert.kv_source_to_proto(source)) == source
     message = convert.kv_source_to_proto(source)
     del message.regions[-1]
@@ -84,8 +85,8 @@ def test_kv_source_round_trip_and_region_checks():
     message.num_blocks = 17
     with pytest.raises(ValueError, match="smaller than"):
         convert.kv_source_from_proto(message)
-    with pytest.raises(ValueError, match="memory_kind"):
-        convert.kv_source_to_proto(convert.KvSource("e", "a", b"", LAYOUT, regions, 256, 16, "GPU"))
+    with pytest.raises(ValueError, match="mem_type"):
+        convert.kv_source_to_proto(convert.PrefillKvSource("e", LAYOUT, KvSource("a", b"", "GPU", regions, 256, 16)))
 
 
 def test_load_and_pull_stats_round_trip():
