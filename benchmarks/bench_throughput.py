@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -66,7 +67,7 @@ def main() -> None:
             SchedulerConfig(max_num_seqs=NUM_REQUESTS, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_model_len=PROMPT_LEN + OUTPUT_LEN + 16),
             CacheConfig(block_size=args.block_size, num_blocks=NUM_REQUESTS * blocks_per_request + 64),
-            dtype=args.dtype, seed=args.seed,
+            dtype=args.dtype, seed=args.seed, device=args.device,
         )
         run_once(engine, seed=10_000)  # warm-up: allocator, thread pool, kernel selection
         results = []
@@ -76,7 +77,7 @@ def main() -> None:
             # The 1-minute load average shows whether other processes competed for the cores.
             print(f"  {model} run {run + 1}: {tokens_per_s:,.0f} output tokens/s "
                   f"(load average {os.getloadavg()[0]:.2f})", flush=True)
-        print(f"{model} ({args.dtype}): median {statistics.median(results):,.0f} output tokens/s "
+        print(f"{model} ({args.dtype}, {args.device}): median {statistics.median(results):,.0f} output tokens/s "
               f"over {len(results)} runs (min {min(results):,.0f}, max {max(results):,.0f})", flush=True)
 
 

@@ -75,10 +75,11 @@ class LLMEngine:
     def __init__(self, model: LoadedModel | str | Path, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, connector: KVConnectorBase | None = None, *,
                  dtype: str | None = None, seed: int = 0, num_threads: int | None = None,
-                 ngram_min: int = 1, ngram_max: int = 3):
+                 ngram_min: int = 1, ngram_max: int = 3, device: str = "cpu"):
         """model: a LoadedModel, a built-in preset name ("tiny", "100m") or an HF model directory.
         seed: the built-in random weights' seed and the source of unseeded requests' seeds.
         num_threads: torch intra-op threads (None leaves torch's setting alone).
+        device: where the model and the KV pool live ("cpu", "cuda", "cuda:1").
         scheduler_config.max_model_len is capped at the model's max_position_embeddings."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -91,6 +92,7 @@ class LLMEngine:
                 f"speculative_method must be 'ngram' (the only proposer), got {scheduler_config.speculative_method!r}"
             )
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, seed=seed)
+        self.loaded.model.to(device)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         if scheduler_config.max_model_len > self.model_config.max_position_embeddings:
@@ -109,7 +111,7 @@ class LLMEngine:
             self.loaded, num_blocks=cache_config.num_blocks, block_size=cache_config.block_size,
             num_speculative_tokens=scheduler_config.num_speculative_tokens,
             ngram_min=ngram_min, ngram_max=ngram_max, connector=connector,
-            max_model_len=scheduler_config.max_model_len, seed=seed,
+            max_model_len=scheduler_config.max_model_len, seed=seed, device=device,
         )
         self.last_stats = None  # SchedulerStats of the latest step
         self.counters = EngineCounters()

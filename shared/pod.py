@@ -40,6 +40,7 @@ class PodConfig:
     kv_load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.RECOMPUTE
     advertise_address: str = ""  # producer: host:port decode pods use to reach this pod
     num_threads: int | None = None  # torch intra-op threads (None: torch's default)
+    device: str = "cpu"  # where the model and the KV pool live: "cpu" or "cuda[:N]" (NIXL then reads VRAM)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -49,6 +50,8 @@ class PodConfig:
             raise ValueError(f"max_requests_in_flight must be >= 1, got {self.max_requests_in_flight}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
 
@@ -96,6 +99,7 @@ class Pod:
             ),
             connector=self.connector,
             num_threads=config.num_threads,
+            device=config.device,
         )
         self.loop = EngineLoop(self.engine)
         if self.connector is not None:

@@ -45,6 +45,7 @@ def add_pod_flags(parser: argparse.ArgumentParser, *, default_port: int) -> None
     parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    parser.add_argument("--device", default=defaults.device, help="cpu (default) or cuda[:N]")
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--max-requests-in-flight", type=int, default=defaults.max_requests_in_flight)
     parser.add_argument(
@@ -66,6 +67,7 @@ def pod_config_from_args(args: argparse.Namespace, **role_settings: Any) -> PodC
         enable_prefix_caching=not args.no_prefix_caching,
         max_requests_in_flight=args.max_requests_in_flight,
         num_threads=args.num_threads,
+        device=args.device,
         **role_settings,
     )
 

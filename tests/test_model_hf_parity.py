@@ -83,19 +83,24 @@ def references(checkpoints):
     return refs
 
 
-def _engine(path, scheduler_kwargs, cache_kwargs) -> LLMEngine:
+# The engine runs where the model lives; on a machine with a GPU every scenario also runs there.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _engine(path, scheduler_kwargs, cache_kwargs, device: str = "cpu") -> LLMEngine:
     scheduler_config = SchedulerConfig(**{"max_num_seqs": 16, "max_num_batched_tokens": 2048,
                                           "max_model_len": 512, **scheduler_kwargs})
     cache_config = CacheConfig(**{"block_size": BLOCK_SIZE, "num_blocks": 256, "enable_prefix_caching": True,
                                   **cache_kwargs})
-    return LLMEngine(path, scheduler_config, cache_config)
+    return LLMEngine(path, scheduler_config, cache_config, device=device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("model_name", list(MODELS))
-def test_greedy_tokens_match_transformers(checkpoints, references, model_name, scenario):
+def test_greedy_tokens_match_transformers(checkpoints, references, model_name, scenario, device):
     path, _ = checkpoints[model_name]
-    engine = _engine(path, *SCENARIOS[scenario])
+    engine = _engine(path, *SCENARIOS[scenario], device=device)
     params = SamplingParams(max_tokens=NUM_OUTPUT, ignore_eos=True)
     prompts = PROMPTS
     if scenario == "prefix_cache":

@@ -105,8 +105,8 @@ def _span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         k = k.transpose(0, 1).unsqueeze(0)
         v = v.transpose(0, 1).unsqueeze(0)
         # Query i sits at position num_past + i and may see keys 0..num_past + i (bottom-right causal).
-        query_pos = torch.arange(num_past, span.context_len).unsqueeze(1)
-        future = torch.arange(span.context_len).unsqueeze(0) > query_pos
-        mask = torch.zeros(future.shape, dtype=query.dtype).masked_fill_(future, float("-inf"))
+        query_pos = torch.arange(num_past, span.context_len, device=query.device).unsqueeze(1)
+        future = torch.arange(span.context_len, device=query.device).unsqueeze(0) > query_pos
+        mask = torch.zeros(future.shape, dtype=query.dtype, device=query.device).masked_fill_(future, float("-inf"))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)

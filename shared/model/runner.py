@@ -42,7 +42,10 @@ class _ScheduledRequest:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, *,
                  num_speculative_tokens: int = 0, ngram_min: int = 1, ngram_max: int = 3,
-                 connector: KVConnectorBase | None = None, max_model_len: int | None = None, seed: int = 0):
+                 connector: KVConnectorBase | None = None, max_model_len: int | None = None, seed: int = 0,
+                 device: torch.device | str = "cpu"):
+        """device: where the KV pool and every input live; the model must already be there."""
+        self.device = torch.device(device)
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.config = loaded.config
@@ -70,7 +73,8 @@ class ModelRunner:
         # One buffer for the whole pool; each layer's K and V is a contiguous [num_blocks, ...] slice of it,
         # so block b of a layer is one contiguous span (what a transfer agent registers and reads).
         self.kv_cache_buffer = torch.zeros(
-            c.num_layers, 2, self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim, dtype=c.torch_dtype
+            c.num_layers, 2, self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim, dtype=c.torch_dtype,
+            device=self.device,
         )
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layer_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -79,6 +83,10 @@ class ModelRunner:
             self.kv_caches[f"layers.{i}.key"] = key
             self.kv_caches[f"layers.{i}.value"] = value
             self.layer_kv.append((key, value))
+
+    def _ids(self, values) -> torch.Tensor:
+        """An index tensor on the runner's device."""
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     # ---- request state ----------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -173,21 +181,21 @@ class ModelRunner:
             table = r.state.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
         meta = self._attention_metadata(scheduled)
-        ids_t = torch.tensor(input_ids, dtype=torch.long)
-        pos_t = torch.tensor(positions, dtype=torch.long)
-        meta.slot_mapping = torch.tensor(slots, dtype=torch.long)
+        ids_t = self._ids(input_ids)
+        pos_t = self._ids(positions)
+        meta.slot_mapping = self._ids(slots)
         logit_rows, sample_slices, prompt_slices = self._select_logit_rows(scheduled)
         output_rows, hidden_rows = self._output_rows(scheduled, meta, logit_rows)
         hidden = self.model(ids_t, pos_t, self.layer_kv, meta, output_rows)
         if not logit_rows:
             return {}, {}
-        logits = self.model.compute_logits(hidden[torch.tensor(hidden_rows, dtype=torch.long)])
+        logits = self.model.compute_logits(hidden[self._ids(hidden_rows)])
         sampled = self._sample(scheduled, logits, sample_slices)
         lps = {}
         for r in scheduled:
             if r.req_id in prompt_slices:
                 first, count, start = prompt_slices[r.req_id]
-                targets = torch.tensor(r.state.token_ids[start + 1:start + 1 + count], dtype=torch.long)
+                targets = self._ids(r.state.token_ids[start + 1:start + 1 + count])
                 lps[r.req_id] = prompt_logprobs(logits[first:first + count], targets,
                                                 r.state.sampling_params.prompt_logprobs)
         return sampled, lps
@@ -249,7 +257,7 @@ class ModelRunner:
             slot_mapping=None, num_decode_tokens=num_decodes, decode_block_table=meta.decode_block_table,
             decode_context_lens=meta.decode_context_lens, decode_key_mask=meta.decode_key_mask, spans=spans,
         )
-        rows = torch.tensor(kept_rows, dtype=torch.long)
+        rows = self._ids(kept_rows)
         return OutputRows(rows=rows, meta=keep_meta), [position[row] for row in logit_rows]
 
     def _attention_metadata(self, scheduled: list[_ScheduledRequest]) -> AttentionMetadata:
@@ -259,19 +267,19 @@ class ModelRunner:
         if decodes:
             context = [r.start + 1 for r in decodes]
             width = max(-(-c // bs) for c in context)
-            table = torch.tensor([(r.state.block_ids[:width] + [0] * width)[:width] for r in decodes],
-                                 dtype=torch.long)
-            lens = torch.tensor(context, dtype=torch.long)
-            invalid = torch.arange(width * bs).unsqueeze(0) >= lens.unsqueeze(1)
+            table = self._ids([(r.state.block_ids[:width] + [0] * width)[:width] for r in decodes])
+            lens = self._ids(context)
+            invalid = torch.arange(width * bs, device=self.device).unsqueeze(0) >= lens.unsqueeze(1)
             # An additive float mask: SDPA's CPU kernel runs markedly faster with it than with a bool one.
-            mask = torch.zeros(invalid.shape, dtype=self.config.torch_dtype).masked_fill_(invalid, float("-inf"))
+            mask = torch.zeros(invalid.shape, dtype=self.config.torch_dtype, device=self.device)
+            mask.masked_fill_(invalid, float("-inf"))
             mask = mask.view(len(decodes), 1, 1, -1)
         spans = []
         row = len(decodes)
         for r in scheduled[len(decodes):]:
             n = len(r.input_ids)
             context_len = r.start + n
-            block_ids = torch.tensor(r.state.block_ids[:-(-context_len // bs)], dtype=torch.long)
+            block_ids = self._ids(r.state.block_ids[:-(-context_len // bs)])
             spans.append(SequenceSpan(query_start=row, query_len=n, context_len=context_len, block_ids=block_ids))
             row += n
         return AttentionMetadata(slot_mapping=None, num_decode_tokens=len(decodes), decode_block_table=table,
@@ -291,7 +299,7 @@ class ModelRunner:
                 params.append(r.state.sampling_params)
                 seeds.append(r.state.seed)
                 positions.append(next_pos + j)
-        tokens = sample(logits[torch.tensor(rows, dtype=torch.long)], params, seeds, positions)
+        tokens = sample(logits[self._ids(rows)], params, seeds, positions)
         out: dict[str, list[int]] = {}
         i = 0
         for r in scheduled:

@@ -35,8 +35,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
-    """Exponential-race sampling (argmax of p / E, E ~ Exp(1)) over the filtered distribution."""
-    probs = filtered_probs(logits, params)
+    """Exponential-race sampling (argmax of p / E, E ~ Exp(1)) over the filtered distribution.
+    Runs on the CPU whatever the logits' device, so a seeded request samples the same token anywhere."""
+    probs = filtered_probs(logits.cpu(), params)
     generator = torch.Generator().manual_seed(mix_seed(seed, position))
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return int((probs / noise).argmax())
