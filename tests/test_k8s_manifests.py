@@ -130,7 +130,9 @@ def test_container_command_ports_and_probes_follow_the_flags(overlay: str, compo
     deployment = _deployment(_render(overlay), component)
     container = _container(deployment)
     assert container["command"] == ["pdserve"]
-    assert container["args"] == EXPECTED_ARGS[component]
+    # The gpu overlay appends --device cuda to the pods' contract args.
+    device_args = ["--device", "cuda"] if overlay == "gpu" and component != "router" else []
+    assert container["args"] == EXPECTED_ARGS[component] + device_args
     assert container["image"].split(":")[0] == "pdserve"
     args = container["args"]
     grpc_port = int(_flag(args, "--port"))
@@ -213,6 +215,9 @@ def test_gpu_overlay_gives_prefill_and_decode_a_gpu_and_more_replicas() -> None:
         assert deployment["spec"]["replicas"] >= 2
         limits = _container(deployment)["resources"]["limits"]
         assert int(limits["nvidia.com/gpu"]) == 1
+        args = _container(deployment)["args"]
+        assert args[-2:] == ["--device", "cuda"]
+        assert component_parser(component).parse_args(args[1:]).device == "cuda"
     router = _deployment(docs, "router")
     assert router["spec"]["replicas"] >= 2
     assert "nvidia.com/gpu" not in _container(router)["resources"]["limits"]
@@ -237,17 +242,14 @@ def test_router_contract_args_parse_with_the_router_parser() -> None:
     assert config.policy == "least-loaded"
 
 
-@pytest.mark.parametrize(
-    "component,module", [("prefill", "prefill_svc.config"), ("decode", "decode_svc.config")]
-)
-def test_pod_contract_args_parse_with_the_service_parser(component: str, module: str) -> None:
-    try:
-        config = importlib.import_module(module)
-    except ModuleNotFoundError:
-        pytest.skip(f"{module} is not written yet")
-    if not hasattr(config, "build_arg_parser"):
-        pytest.skip(f"{module} has no build_arg_parser()")
+def component_parser(component: str):
+    """The pod's own command-line parser (prefill_svc.config / decode_svc.config)."""
+    return importlib.import_module(f"{component}_svc.config").build_arg_parser()
+
+
+@pytest.mark.parametrize("component", ["prefill", "decode"])
+def test_pod_contract_args_parse_with_the_service_parser(component: str) -> None:
     args = [arg.replace("$(POD_IP)", "10.1.2.3") for arg in EXPECTED_ARGS[component][1:]]
-    parsed = config.build_arg_parser().parse_args(args)
+    parsed = component_parser(component).parse_args(args)
     assert parsed.port == GRPC_PORTS[component]
     assert parsed.metrics_port == METRICS_PORT
