@@ -11,9 +11,8 @@ from opentelemetry import trace
 
 from proto.pdserve.v1 import generate_pb2_grpc
 from shared import convert
-from shared.engine_loop import EngineStopped
 from shared.metrics import ServiceMetrics
-from shared.pod_main import ADMISSION_ERRORS, PodServicer, admission_status
+from shared.pod_main import ADMISSION_ERRORS, STREAM_ERRORS, PodServicer, admission_status, stream_status
 from shared.request import FinishReason, Request, SamplingParams
 from shared.telemetry import SpanAttr
 from shared.text import TextStream
@@ -90,12 +89,9 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
                         num_prompt_tokens=len(prompt_ids),
                         num_output_tokens=num_output,
                     )
-            except EngineStopped as exc:
-                outcome = "error"
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            except ValueError as exc:  # the engine refused the request after submit
-                outcome = "invalid"
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except STREAM_ERRORS as exc:
+                code, outcome = stream_status(exc)
+                await context.abort(code, str(exc))
             if finish is None:  # the stream ended unfinished: the pod aborted everything (shutdown)
                 outcome = "error"
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the pod stopped before the request finished")

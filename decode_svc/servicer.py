@@ -15,12 +15,12 @@ from opentelemetry import trace
 
 from proto.pdserve.v1 import common_pb2, decode_pb2_grpc
 from shared import convert
-from shared.engine_loop import EngineStopped, RequestStream
+from shared.engine_loop import RequestStream
 from shared.kv_transfer.connector import KVLoadFailurePolicy
 from shared.kv_transfer.handle import KvPullOutcome, KvPullStats
 from shared.kv_transfer.nixl import REMOTE_HANDLE, REMOTE_SOURCE
 from shared.metrics import ServiceMetrics
-from shared.pod_main import ADMISSION_ERRORS, PodServicer, admission_status
+from shared.pod_main import ADMISSION_ERRORS, STREAM_ERRORS, PodServicer, admission_status, stream_status
 from shared.request import FinishReason, Request
 from shared.telemetry import SpanAttr
 
@@ -141,12 +141,9 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
                         outcome = "ok"
                         self._record_finish(span, num_tokens, finish_reason, first_token_at)
                     yield convert.decode_chunk_to_proto(chunk)
-            except EngineStopped as exc:
-                outcome = "error"
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            except ValueError as exc:  # the engine refused the request
-                outcome = "invalid"
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except STREAM_ERRORS as exc:
+                code, outcome = stream_status(exc)
+                await context.abort(code, str(exc))
             if finish_reason is None:
                 # The stream ended without a finish: the pod aborted the request (shutdown).
                 outcome = "error"

@@ -14,11 +14,11 @@ from opentelemetry import trace
 
 from proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from shared import convert
-from shared.engine_loop import EngineStopped, RequestStream
+from shared.engine_loop import RequestStream
 from shared.kv_transfer.handle import KvHandle
 from shared.kv_transfer.nixl import DO_REMOTE_DECODE, REMOTE_HANDLE
 from shared.metrics import ServiceMetrics
-from shared.pod_main import ADMISSION_ERRORS, PodServicer, admission_status
+from shared.pod_main import ADMISSION_ERRORS, STREAM_ERRORS, PodServicer, admission_status, stream_status
 from shared.request import FinishReason, Request, SamplingParams
 from shared.telemetry import SpanAttr
 
@@ -94,12 +94,9 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
                 async for output in stream:
                     tokens.extend(output.new_token_ids)
                     final = output
-            except EngineStopped as exc:
-                outcome = "error"
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            except ValueError as exc:  # the engine refused the request
-                outcome = "invalid"
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except STREAM_ERRORS as exc:
+                code, outcome = stream_status(exc)
+                await context.abort(code, str(exc))
             if final is None:
                 outcome = "error"
                 await context.abort(grpc.StatusCode.ABORTED, "the request was aborted before token 1")

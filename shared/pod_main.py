@@ -106,6 +106,17 @@ def admission_status(error: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.ALREADY_EXISTS, "invalid"  # its request id is already in flight
 
 
+# What a request's output stream raises when the engine cannot finish it.
+STREAM_ERRORS = (EngineStopped, ValueError)
+
+
+def stream_status(error: Exception) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and the metrics outcome for a request whose stream broke off."""
+    if isinstance(error, EngineStopped):
+        return grpc.StatusCode.UNAVAILABLE, "error"
+    return grpc.StatusCode.INVALID_ARGUMENT, "invalid"  # the engine refused the request
+
+
 class PodServicer:
     """Base of the pod servicers: registered before the model loads, attached to the pod once ready.
     Holds the service's tracing (a disabled one until run_pod hands the real one over)."""

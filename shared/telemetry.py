@@ -489,6 +489,18 @@ class _ClientTracing:
         except NotImplementedError:  # an inner interceptor already produced the response
             _end_client_span(span, grpc.StatusCode.OK)
 
+    async def _traced_call(self, continuation: Callable, client_call_details, request: Any) -> Any:
+        """Start the CLIENT span, make the call with the span's traceparent, end the span with the call."""
+        span, details = self._start(client_call_details)
+        try:
+            call = await continuation(details, request)
+        except BaseException as exc:
+            span.record_exception(exc)
+            _end_client_span(span, grpc.StatusCode.UNKNOWN)
+            raise
+        self._end_when_done(span, call)
+        return call
+
 
 def _finished_call_code(call: Any) -> grpc.StatusCode | None:
     """Status of a call that has terminated, read without an event-loop turn (done callbacks
@@ -521,15 +533,7 @@ class TracingUnaryUnaryClientInterceptor(_ClientTracing, grpc.aio.UnaryUnaryClie
     async def intercept_unary_unary(
         self, continuation: Callable, client_call_details: grpc.aio.ClientCallDetails, request: Any
     ) -> Any:
-        span, details = self._start(client_call_details)
-        try:
-            call = await continuation(details, request)
-        except BaseException as exc:
-            span.record_exception(exc)
-            _end_client_span(span, grpc.StatusCode.UNKNOWN)
-            raise
-        self._end_when_done(span, call)
-        return call
+        return await self._traced_call(continuation, client_call_details, request)
 
 
 class TracingUnaryStreamClientInterceptor(_ClientTracing, grpc.aio.UnaryStreamClientInterceptor):
@@ -539,12 +543,4 @@ class TracingUnaryStreamClientInterceptor(_ClientTracing, grpc.aio.UnaryStreamCl
     async def intercept_unary_stream(
         self, continuation: Callable, client_call_details: grpc.aio.ClientCallDetails, request: Any
     ) -> Any:
-        span, details = self._start(client_call_details)
-        try:
-            call = await continuation(details, request)
-        except BaseException as exc:
-            span.record_exception(exc)
-            _end_client_span(span, grpc.StatusCode.UNKNOWN)
-            raise
-        self._end_when_done(span, call)
-        return call
+        return await self._traced_call(continuation, client_call_details, request)

@@ -39,7 +39,11 @@ def _health_answers_until_serving(service: ServiceProcess, service_name: str, ti
     """Every distinct health status, in order, from the first answer after the port opens to SERVING."""
     seen: list[int] = []
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(service.address) as channel:
+    # Retry the connection every few ms: gRPC's default reconnect backoff (1 s and growing) could
+    # sleep through the whole loading window while the port is still closed.
+    options = [("grpc.initial_reconnect_backoff_ms", 10), ("grpc.min_reconnect_backoff_ms", 10),
+               ("grpc.max_reconnect_backoff_ms", 50)]
+    with grpc.insecure_channel(service.address, options=options) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             assert service.is_running(), service.log_tail()
