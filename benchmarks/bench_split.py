@@ -81,13 +81,15 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     engine = LLMEngine(args.model, SchedulerConfig(max_model_len=2048), CacheConfig(num_blocks=4096))
     vocab = engine.model_config.vocab_size
+    # Separate prompt sets per phase: a repeated prompt would be a prefix-cache hit, not a prefill.
     prompts = _prompts(args.num_prompts, args.prompt_len, vocab, args.seed)
-    warmup = _prompts(2, args.prompt_len, vocab, args.seed + 1)
+    batch = _prompts(args.num_prompts, args.prompt_len, vocab, args.seed + 1)
+    warmup = _prompts(2, args.prompt_len, vocab, args.seed + 2)
     print(f"model {args.model}: {args.num_prompts} prompts x {args.prompt_len} tokens, {args.max_tokens} output tokens")
 
     run_engine(engine, warmup, params)
     single_one = [run_engine(engine, [prompt], params)[0] for prompt in prompts]
-    single_all = run_engine(engine, prompts, params)
+    single_all = run_engine(engine, batch, params)
     del engine
 
     with tempfile.TemporaryDirectory() as logs, LocalCluster.start(
@@ -96,7 +98,7 @@ def main() -> None:
         address = cluster.router.address
         run_split(address, warmup, params)
         split_one = [run_split(address, [prompt], params)[0] for prompt in prompts]
-        split_all = run_split(address, prompts, params)
+        split_all = run_split(address, batch, params)
 
     print(_summary("single-process, one at a time", single_one))
     print(_summary("split, one at a time", split_one))
