@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 # How often the pod's load gauges are refreshed for Prometheus.
 GAUGE_INTERVAL_S = 0.5
+# How often the pod checks that its engine thread is alive.
+ENGINE_WATCH_INTERVAL_S = 0.5
 # How often a draining pod looks whether its last requests and holds are gone.
 DRAIN_POLL_S = 0.02
 
@@ -188,6 +190,15 @@ async def drain(pod: Pod, grace_s: float) -> None:
     )
 
 
+async def stop_when_the_engine_fails(pod: Pod, server: GrpcServer) -> None:
+    """A crashed engine thread cannot serve: stop (health goes NOT_SERVING, requests in flight end with
+    UNAVAILABLE) so the orchestrator replaces the pod instead of routing to it."""
+    while pod.loop.error is None:
+        await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+    logger.error("the engine loop crashed (%r); stopping the pod", pod.loop.error)
+    server.request_stop()
+
+
 async def run_pod(
     role: KVRole | None,
     args: argparse.Namespace,
@@ -217,7 +228,7 @@ async def run_pod(
         servicer.use_tracing(tracing)
         server.add_service(add_to_server, servicer, name)
     metrics_server = None
-    gauges = None
+    gauges = watcher = None
     try:
         port = await server.start()
         if role is KVRole.PRODUCER and not pod_config.advertise_address:
@@ -241,6 +252,7 @@ async def run_pod(
         if args.metrics_port is not None:
             metrics_server = start_metrics_server(metrics.registry, args.host, args.metrics_port)
         gauges = asyncio.ensure_future(refresh_gauges(pod, metrics))
+        watcher = asyncio.ensure_future(stop_when_the_engine_fails(pod, server))
         await server.set_serving(True)
         print(f"{service_name} listening on {server.address} (engine {pod.engine_id})", flush=True)
         if metrics_server is not None:
@@ -248,8 +260,9 @@ async def run_pod(
         await server.serve_forever()
     finally:
         await server.stop()
-        if gauges is not None:
-            gauges.cancel()
+        for task in (gauges, watcher):
+            if task is not None:
+                task.cancel()
         if metrics_server is not None:
             metrics_server.stop()
         tracing.shutdown()
