@@ -80,7 +80,7 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
                     if finish is not None:
                         # Settled before the last message goes out: a caller may hang up once it has it.
                         outcome = "error" if finish is FinishReason.ERROR else "ok"
-                        self._record_finish(span, num_output, finish, first_token_at)
+                        self.record_finish(span, num_output, finish, first_token_at)
                     yield convert.generate_chunk_to_proto(
                         request_id=request_id,
                         token_ids=token_ids,
@@ -102,13 +102,6 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
             if stream is not None:
                 self.record_stage_spans("colocated", parent, stream.timeline, {SpanAttr.REQUEST_ID: request_id})
 
-    def _record_finish(self, span, num_output: int, reason: FinishReason, first_token_at: float | None) -> None:
-        span.set_attribute(SpanAttr.NUM_OUTPUT_TOKENS, num_output)
-        span.set_attribute(SpanAttr.FINISH_REASON, reason.value)
-        if num_output > 1 and first_token_at is not None:
-            tpot_s = (time.monotonic() - first_token_at) / (num_output - 1)
-            self.metrics.tpot_seconds.observe(tpot_s)
-            span.set_attribute(SpanAttr.TPOT_S, tpot_s)
 
     def validate(self, request) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the sampling params, or InvalidRequest saying what is wrong."""

@@ -139,7 +139,7 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
                     if finish_reason is not None:
                         # Settled before the last message goes out: a caller may hang up once it has it.
                         outcome = "ok"
-                        self._record_finish(span, num_tokens, finish_reason, first_token_at)
+                        self.record_finish(span, num_tokens, finish_reason, first_token_at)
                     yield convert.decode_chunk_to_proto(chunk)
             except STREAM_ERRORS as exc:
                 code, outcome = stream_status(exc)
@@ -162,13 +162,6 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
             f"pod's kv-load-failure policy is '{self.pod.config.kv_load_failure_policy.value}'"
         )
 
-    def _record_finish(self, span, num_tokens: int, reason: FinishReason, first_token_at: float | None) -> None:
-        span.set_attribute(SpanAttr.NUM_OUTPUT_TOKENS, num_tokens)
-        span.set_attribute(SpanAttr.FINISH_REASON, reason.value)
-        if num_tokens > 1 and first_token_at is not None:
-            tpot_s = (time.monotonic() - first_token_at) / (num_tokens - 1)
-            self.metrics.tpot_seconds.observe(tpot_s)
-            span.set_attribute(SpanAttr.TPOT_S, tpot_s)
 
     async def _engine_request(self, work: convert.DecodeInput) -> tuple[Request, KvPullStats]:
         """The engine request continuing prompt + generated, with the handle if it can be pulled from."""

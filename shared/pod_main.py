@@ -132,6 +132,15 @@ class PodServicer:
         """Called before the server starts (client channels made later carry its interceptors)."""
         self.tracing = tracing
 
+    def record_finish(self, span, num_tokens: int, reason, first_token_at: float | None) -> None:
+        """Token count, finish reason and TPOT (histogram and span attribute) of a finished stream."""
+        span.set_attribute(SpanAttr.NUM_OUTPUT_TOKENS, num_tokens)
+        span.set_attribute(SpanAttr.FINISH_REASON, reason.value)
+        if num_tokens > 1 and first_token_at is not None:
+            tpot_s = (time.monotonic() - first_token_at) / (num_tokens - 1)
+            self.metrics.tpot_seconds.observe(tpot_s)
+            span.set_attribute(SpanAttr.TPOT_S, tpot_s)
+
     def attach(self, pod: Pod) -> None:
         self.pod = pod
 
