@@ -13,6 +13,7 @@ from torch import nn
 
 from shared.model.attention import AttentionMetadata, OutputRows, paged_attention, write_kv
 from shared.model.config import ModelArchConfig
+from shared.model.linear import Linear, linear
 
 
 def rope_inverse_frequencies(config: ModelArchConfig) -> torch.Tensor:
@@ -81,8 +82,8 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
-    layer = nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device="meta")
+def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> Linear:
+    layer = Linear(in_features, out_features, bias=bias, dtype=dtype, device="meta")
     return layer.to_empty(device="cpu").requires_grad_(False)
 
 
@@ -164,4 +165,4 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows (only the rows that sample or need prompt logprobs)."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight).float()
