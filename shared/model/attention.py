@@ -64,10 +64,44 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     num_decode = meta.num_decode_tokens
     if num_decode:
         output[:num_decode] = _decode_attention(query[:num_decode], key_cache, value_cache, meta, scale)
+    for run in _fresh_prompt_runs(meta.spans):
+        rows = slice(run[0].query_start, run[-1].query_start + run[-1].query_len)
+        output[rows] = _fresh_prompts_attention(query[rows], key[rows], value[rows], len(run), scale)
     for span in meta.spans:
+        if span.context_len == span.query_len:
+            continue  # served above, batched with its run
         rows = slice(span.query_start, span.query_start + span.query_len)
-        output[rows] = _span_attention(query[rows], key[rows], value[rows], key_cache, value_cache, span, scale)
+        output[rows] = _span_attention(query[rows], key_cache, value_cache, span, scale)
     return output
+
+
+def _fresh_prompt_runs(spans: list[SequenceSpan]) -> list[list[SequenceSpan]]:
+    """Adjacent spans that are whole fresh prompts (no earlier context) of one length, grouped: each
+    group is one batched causal attention instead of a call per prompt (a 64-prompt prefill step
+    otherwise pays 64 calls' fixed cost per layer)."""
+    runs: list[list[SequenceSpan]] = []
+    for span in spans:
+        if span.context_len != span.query_len:
+            continue
+        last = runs[-1][-1] if runs else None
+        if (last is not None and last.query_len == span.query_len
+                and last.query_start + last.query_len == span.query_start):
+            runs[-1].append(span)
+        else:
+            runs.append([span])
+    return runs
+
+
+def _fresh_prompts_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             num_prompts: int, scale: float) -> torch.Tensor:
+    """num_prompts equal-length prompts laid end to end: [N * L, heads, D] -> causal attention each."""
+    total, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    q = query.view(num_prompts, -1, num_heads, head_dim).transpose(1, 2)
+    k = key.view(num_prompts, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = value.view(num_prompts, -1, num_kv_heads, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(total, num_heads, head_dim)
 
 
 def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -86,27 +120,21 @@ def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     return out.view(num_seqs, num_heads, head_dim)
 
 
-def _span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    key_cache: torch.Tensor, value_cache: torch.Tensor,
+def _span_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     span: SequenceSpan, scale: float) -> torch.Tensor:
+    """A span with earlier context (a later prefill chunk, a prefix-cache hit, a decode with drafts,
+    or a kept suffix of queries): read the whole context back from the cache blocks."""
     query_len, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     num_past = span.context_len - query_len
     q = query.transpose(0, 1).unsqueeze(0)
-    if num_past == 0:
-        # A fresh prompt chunk sees only itself: plain causal attention on this step's K and V.
-        k = key.transpose(0, 1).unsqueeze(0)
-        v = value.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        # Earlier chunks or prefix-cache hits: read the whole context back from the cache blocks.
-        k = key_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)[: span.context_len]
-        v = value_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)[: span.context_len]
-        k = k.transpose(0, 1).unsqueeze(0)
-        v = v.transpose(0, 1).unsqueeze(0)
-        # Query i sits at position num_past + i and may see keys 0..num_past + i (bottom-right causal).
-        query_pos = torch.arange(num_past, span.context_len, device=query.device).unsqueeze(1)
-        future = torch.arange(span.context_len, device=query.device).unsqueeze(0) > query_pos
-        mask = torch.zeros(future.shape, dtype=query.dtype, device=query.device).masked_fill_(future, float("-inf"))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    k = key_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)[: span.context_len]
+    v = value_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)[: span.context_len]
+    k = k.transpose(0, 1).unsqueeze(0)
+    v = v.transpose(0, 1).unsqueeze(0)
+    # Query i sits at position num_past + i and may see keys 0..num_past + i (bottom-right causal).
+    query_pos = torch.arange(num_past, span.context_len, device=query.device).unsqueeze(1)
+    future = torch.arange(span.context_len, device=query.device).unsqueeze(0) > query_pos
+    mask = torch.zeros(future.shape, dtype=query.dtype, device=query.device).masked_fill_(future, float("-inf"))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
