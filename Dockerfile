@@ -13,7 +13,14 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    TORCH_EXTENSIONS_DIR=/opt/pdserve/torch_extensions
+
+# g++ builds the paged decode kernel (shared/model/csrc); without it the engine falls back to a
+# slower gather + SDPA decode attention.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 
 RUN python -m pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
@@ -26,11 +33,13 @@ COPY decode_svc/ decode_svc/
 COPY router/ router/
 COPY pdserve/ pdserve/
 RUN python -m pip install . \
-    && python -c "import torch, grpc, pdserve; print('torch', torch.__version__)"
+    && python -c "import torch, grpc, pdserve; print('torch', torch.__version__)" \
+    && python -c "from shared.model.paged_decode import paged_decode_available as built; assert built()"
 
 # The same uid the Kubernetes manifests run as (runAsUser: 10001).
 RUN groupadd --gid 10001 pdserve \
-    && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin pdserve
+    && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin pdserve \
+    && chown -R 10001:10001 /opt/pdserve/torch_extensions  # torch takes a lock file there at load
 USER 10001:10001
 WORKDIR /home/pdserve
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shared.model.paged_decode import paged_decode_attention, paged_decode_available
+
 
 @dataclass
 class SequenceSpan:
@@ -33,7 +35,9 @@ class AttentionMetadata:
     num_decode_tokens: int
     decode_block_table: torch.Tensor | None  # long [num_decodes, max_blocks], padded with block 0
     decode_context_lens: torch.Tensor | None  # long [num_decodes]
-    decode_key_mask: torch.Tensor | None  # additive (0 / -inf) [num_decodes, 1, 1, max_blocks * block_size]
+    # additive (0 / -inf) [num_decodes, 1, 1, max_blocks * block_size]; None when the paged decode
+    # kernel serves decodes (it reads only each request's context)
+    decode_key_mask: torch.Tensor | None
     spans: list[SequenceSpan]
 
 
@@ -106,10 +110,15 @@ def _fresh_prompts_attention(query: torch.Tensor, key: torch.Tensor, value: torc
 
 def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    if paged_decode_available(query.dtype, query.device):
+        # Reads each request's blocks in place, only up to its context length: no gather, no padding.
+        return paged_decode_attention(query, key_cache, value_cache, meta.decode_block_table,
+                                      meta.decode_context_lens, scale)
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    # Gather each request's blocks (index_select copies whole blocks: much faster than advanced
-    # indexing) into [B, S, KVH, D]; keys past a request's context length are masked out.
+    # No kernel (another device, no compiler): gather each request's blocks (index_select copies
+    # whole blocks: much faster than advanced indexing) into [B, S, KVH, D]; keys past a request's
+    # context length are masked out.
     flat_table = meta.decode_block_table.flatten()
     keys = key_cache.index_select(0, flat_table).view(num_seqs, -1, num_kv_heads, head_dim)
     values = value_cache.index_select(0, flat_table).view(num_seqs, -1, num_kv_heads, head_dim)

@@ -13,6 +13,7 @@ import torch
 from shared.kv_transfer.connector import KVConnectorBase
 from shared.model.attention import AttentionMetadata, OutputRows, SequenceSpan
 from shared.model.loader import LoadedModel
+from shared.model.paged_decode import paged_decode_available
 from shared.model.sampler import prompt_logprobs, sample
 from shared.model.spec_decode import NgramProposer
 from shared.request import SamplingParams
@@ -49,6 +50,9 @@ class ModelRunner:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.config = loaded.config
+        # Build (or load the cached build of) the decode kernel now, while the pod is still starting,
+        # not on the first decode step (a cold build takes about 10 s on 2 cores).
+        paged_decode_available(self.config.torch_dtype, self.device)
         self.model = loaded.model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -269,11 +273,8 @@ class ModelRunner:
             width = max(-(-c // bs) for c in context)
             table = self._ids([(r.state.block_ids[:width] + [0] * width)[:width] for r in decodes])
             lens = self._ids(context)
-            invalid = torch.arange(width * bs, device=self.device).unsqueeze(0) >= lens.unsqueeze(1)
-            # An additive float mask: SDPA's CPU kernel runs markedly faster with it than with a bool one.
-            mask = torch.zeros(invalid.shape, dtype=self.config.torch_dtype, device=self.device)
-            mask.masked_fill_(invalid, float("-inf"))
-            mask = mask.view(len(decodes), 1, 1, -1)
+            if not paged_decode_available(self.config.torch_dtype, self.device):
+                mask = self._decode_key_mask(lens, width * bs)
         spans = []
         row = len(decodes)
         for r in scheduled[len(decodes):]:
@@ -284,6 +285,14 @@ class ModelRunner:
             row += n
         return AttentionMetadata(slot_mapping=None, num_decode_tokens=len(decodes), decode_block_table=table,
                                  decode_context_lens=lens, decode_key_mask=mask, spans=spans)
+
+    def _decode_key_mask(self, context_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
+        """[num_decodes, 1, 1, num_keys]: 0 for each request's context keys, -inf past it."""
+        invalid = torch.arange(num_keys, device=self.device).unsqueeze(0) >= context_lens.unsqueeze(1)
+        # An additive float mask: SDPA's CPU kernel runs markedly faster with it than with a bool one.
+        mask = torch.zeros(invalid.shape, dtype=self.config.torch_dtype, device=self.device)
+        mask.masked_fill_(invalid, float("-inf"))
+        return mask.view(len(context_lens), 1, 1, -1)
 
     def _sample(self, scheduled: list[_ScheduledRequest], logits: torch.Tensor,
                 sample_slices: dict[str, tuple[int, int]]) -> dict[str, list[int]]:
