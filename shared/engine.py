@@ -93,6 +93,7 @@ class LLMEngine:
             )
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, seed=seed)
         self.loaded.model.to(device)
+        self.loaded.model.pack_weights()
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         if scheduler_config.max_model_len > self.model_config.max_position_embeddings:

@@ -13,7 +13,7 @@ from torch import nn
 
 from shared.model.attention import AttentionMetadata, OutputRows, paged_attention, write_kv
 from shared.model.config import ModelArchConfig
-from shared.model.linear import Linear, linear
+from shared.model.linear import Linear, linear, pack_weight
 
 
 def rope_inverse_frequencies(config: ModelArchConfig) -> torch.Tensor:
@@ -142,10 +142,19 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head_packed: torch.Tensor | None = None  # set by pack_weights()
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype)
+
+    def pack_weights(self) -> None:
+        """Reorder every linear weight (and the LM head) once for the CPU matmul library; call after
+        loading and moving the model. A no-op where the packed path does not apply (CUDA, bfloat16)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        self.lm_head_packed = pack_weight(self.lm_head_weight)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -165,4 +174,4 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows (only the rows that sample or need prompt logprobs)."""
-        return linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight, None, self.lm_head_packed).float()
