@@ -55,8 +55,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # [T, 1, D]: broadcast over heads.
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        # [T, 1, D]: broadcast over heads. index_select: advanced indexing (table[positions]) took
+        # 0.5 ms for 128 rows of a small table on the CPU, a large share of a short prefill.
+        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +120,8 @@ class DecoderLayer(nn.Module):
         key_cache, value_cache = kv_cache
         write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
         if keep is not None:
-            q, k, v, hidden, meta = q[keep.rows], k[keep.rows], v[keep.rows], hidden[keep.rows], keep.meta
+            q, k, v, hidden = (t.index_select(0, keep.rows) for t in (q, k, v, hidden))
+            meta = keep.meta
             num_tokens = hidden.shape[0]
         attn = paged_attention(q, k, v, key_cache, value_cache, meta, self.scale)
         hidden = hidden + self.o_proj(attn.view(num_tokens, self.q_size))

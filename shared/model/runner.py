@@ -308,7 +308,7 @@ class ModelRunner:
                 params.append(r.state.sampling_params)
                 seeds.append(r.state.seed)
                 positions.append(next_pos + j)
-        tokens = sample(logits[self._ids(rows)], params, seeds, positions)
+        tokens = sample(logits.index_select(0, self._ids(rows)), params, seeds, positions)
         out: dict[str, list[int]] = {}
         i = 0
         for r in scheduled:
