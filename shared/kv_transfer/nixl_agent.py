@@ -221,6 +221,9 @@ class KvTransferAgent:
         self._reg_descs = None
         self._kv_tensors: list = []
         self._peers: dict[str, KvSource] = {}
+        # _region_arrays of our pool and of each peer's, for building descriptors.
+        self._local_region_arrays: tuple[np.ndarray, np.ndarray] | None = None
+        self._region_arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._failed_peers: set[str] = set()
         self._open_transfers: list[KvTransfer] = []
         self._notifs: dict[str, collections.deque[bytes]] = {}
@@ -242,6 +245,7 @@ class KvTransferAgent:
         except Exception as exc:  # NIXL raises its own exception types; surface one of ours
             raise KvTransferError(f"registering {len(descs)} KV tensors failed: {exc!r}") from exc
         self._pool = pool
+        self._local_region_arrays = _region_arrays(pool.regions)
         # Registered memory must outlive the registration: freeing it first corrupts the heap at teardown.
         self._kv_tensors = list(kv_tensors)
         # Fixed from here on; kept so that kv_source() never calls into NIXL from another thread.
@@ -286,6 +290,7 @@ class KvTransferAgent:
             self._agent.remove_remote_agent(loaded_name)
             raise ValueError(f"metadata belongs to agent {loaded_name!r}, not {source.agent_name!r}")
         self._peers[source.agent_name] = source
+        self._region_arrays[source.agent_name] = _region_arrays(source.regions)
 
     def is_peer_failed(self, peer_name: str) -> bool:
         """A transfer from this peer failed: add_peer() a fresh KvSource before reading again."""
@@ -298,6 +303,7 @@ class KvTransferAgent:
         for transfer in [t for t in self._open_transfers if t.peer_name == peer_name]:
             self.release(transfer)
         del self._peers[peer_name]
+        del self._region_arrays[peer_name]
         self._failed_peers.discard(peer_name)
         try:
             self._agent.remove_remote_agent(peer_name)
@@ -335,8 +341,9 @@ class KvTransferAgent:
         _check_block_ids("remote", remote_ids, source.num_blocks)
         _check_block_ids("local", local_ids, pool.num_blocks)
         runs = coalesce_block_run_arrays(remote_ids, local_ids)
-        local_descs = _run_descs(pool.regions, pool.block_bytes, runs.local_starts, runs.num_blocks)
-        remote_descs = _run_descs(source.regions, source.block_bytes, runs.remote_starts, runs.num_blocks)
+        local_descs = _run_descs(self._local_region_arrays, pool.block_bytes, runs.local_starts, runs.num_blocks)
+        remote_descs = _run_descs(self._region_arrays[peer_name], source.block_bytes, runs.remote_starts,
+                                  runs.num_blocks)
         transfer = KvTransfer(
             peer_name=peer_name,
             notif_msg=b"" if notif_msg is None else bytes(notif_msg),
@@ -556,15 +563,22 @@ def _check_block_ids(side: str, block_ids: np.ndarray, num_blocks: int) -> None:
         raise ValueError(f"{side} block ids {bad[:8].tolist()} are outside 0..{num_blocks - 1}")
 
 
-def _run_descs(regions: Sequence[KvRegion], block_bytes: int, starts: np.ndarray, num_blocks: np.ndarray) -> np.ndarray:
-    """(address, length, device id) rows: for each tensor in order, one row per run."""
-    offsets = starts.astype(np.uint64) * np.uint64(block_bytes)
-    lengths = num_blocks.astype(np.uint64) * np.uint64(block_bytes)
+def _region_arrays(regions: Sequence[KvRegion]) -> tuple[np.ndarray, np.ndarray]:
+    """(base addresses, device ids) of a pool's tensors as uint64 arrays, made once per pool."""
     bases = np.array([region.base_address for region in regions], dtype=np.uint64)
     device_ids = np.array([region.device_id for region in regions], dtype=np.uint64)
-    descs = np.empty((len(regions) * len(starts), 3), dtype=np.uint64)
+    return bases, device_ids
+
+
+def _run_descs(region_arrays: tuple[np.ndarray, np.ndarray], block_bytes: int, starts: np.ndarray,
+               num_blocks: np.ndarray) -> np.ndarray:
+    """(address, length, device id) rows: for each tensor in order, one row per run."""
+    bases, device_ids = region_arrays
+    offsets = starts.astype(np.uint64) * np.uint64(block_bytes)
+    lengths = num_blocks.astype(np.uint64) * np.uint64(block_bytes)
+    descs = np.empty((len(bases) * len(starts), 3), dtype=np.uint64)
     descs[:, 0] = (bases[:, None] + offsets[None, :]).ravel()
-    descs[:, 1] = np.tile(lengths, len(regions))
+    descs[:, 1] = np.tile(lengths, len(bases))
     descs[:, 2] = np.repeat(device_ids, len(starts))
     return descs
 
