@@ -60,13 +60,15 @@ class RotaryEmbedding(nn.Module):
         return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+    """x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1), without building rotate_half:
+    the same products and sums in the same order (a + (-b) is a - b exactly), so bit-identical to
+    transformers, with two fewer activation-sized temporaries."""
+    half = x.shape[-1] // 2
+    out = x * cos
+    out[..., :half] -= x[..., half:] * sin[..., :half]
+    out[..., half:] += x[..., :half] * sin[..., half:]
+    return out
 
 
 class RMSNorm(nn.Module):
@@ -78,6 +80,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 whatever the storage dtype, as the reference implementation does.
         dtype = x.dtype
+        if dtype == torch.float32:
+            # torch's fused kernel: one pass, and bit-identical to the expression below in our checks.
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
