@@ -132,9 +132,10 @@ class DecoderLayer(nn.Module):
         hidden = hidden + self.o_proj(attn.view(num_tokens, self.q_size))
         gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        # In place on the fresh gate_up buffer: no new activation-sized tensors.
-        gate = F.silu(gate, inplace=True).mul_(up)
-        return hidden + self.down_proj(gate)
+        # gate is a strided half of gate_up: silu writes a new contiguous tensor, which the down
+        # projection's matmul then takes as is (an in-place silu kept the stride and cost a copy there).
+        activated = F.silu(gate).mul_(up)
+        return hidden + self.down_proj(activated)
 
 
 class LlamaModel(nn.Module):
