@@ -3,6 +3,8 @@ equal-length fresh prompts share one causal call, and decodes without the C++ ke
 gather + SDPA path."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -65,8 +67,8 @@ def test_decode_fallback_matches_kernel(monkeypatch):
     meta = AttentionMetadata(slot_mapping=None, num_decode_tokens=len(contexts), decode_block_table=table,
                              decode_context_lens=lens, decode_key_mask=mask, spans=[])
     empty = torch.empty(0, NUM_KV_HEADS, HEAD_DIM)
-    with_kernel = paged_attention(query, empty, empty, key_cache, value_cache, meta, SCALE)
-    monkeypatch.setattr(attention, "paged_decode_available", lambda dtype, device: False)
+    without_mask = dataclasses.replace(meta, decode_key_mask=None)  # selects the kernel
+    with_kernel = paged_attention(query, empty, empty, key_cache, value_cache, without_mask, SCALE)
     monkeypatch.setattr(attention, "paged_decode_attention", None)  # a call to the kernel now fails
     with_sdpa = paged_attention(query, empty, empty, key_cache, value_cache, meta, SCALE)
     torch.testing.assert_close(with_kernel, with_sdpa)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shared.model.paged_decode import paged_decode_attention, paged_decode_available
+from shared.model.paged_decode import paged_decode_attention
 
 
 @dataclass
@@ -35,8 +35,8 @@ class AttentionMetadata:
     num_decode_tokens: int
     decode_block_table: torch.Tensor | None  # long [num_decodes, max_blocks], padded with block 0
     decode_context_lens: torch.Tensor | None  # long [num_decodes]
-    # additive (0 / -inf) [num_decodes, 1, 1, max_blocks * block_size]; None when the paged decode
-    # kernel serves decodes (it reads only each request's context)
+    # additive (0 / -inf) [num_decodes, 1, 1, max_blocks * block_size] for the gather + SDPA decode
+    # path; None selects the paged decode kernel (the runner leaves it out when the kernel is built)
     decode_key_mask: torch.Tensor | None
     spans: list[SequenceSpan]
 
@@ -72,11 +72,16 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         rows = slice(run[0].query_start, run[-1].query_start + run[-1].query_len)
         output[rows] = _fresh_prompts_attention(query[rows], key[rows], value[rows], len(run), scale)
     for span in meta.spans:
-        if span.context_len == span.query_len:
+        if _is_fresh_prompt(span):
             continue  # served above, batched with its run
         rows = slice(span.query_start, span.query_start + span.query_len)
         output[rows] = _span_attention(query[rows], key_cache, value_cache, span, scale)
     return output
+
+
+def _is_fresh_prompt(span: SequenceSpan) -> bool:
+    """A whole prompt with no earlier context: it attends only to this step's own K and V."""
+    return span.context_len == span.query_len
 
 
 def _fresh_prompt_runs(spans: list[SequenceSpan]) -> list[list[SequenceSpan]]:
@@ -85,7 +90,7 @@ def _fresh_prompt_runs(spans: list[SequenceSpan]) -> list[list[SequenceSpan]]:
     otherwise pays 64 calls' fixed cost per layer)."""
     runs: list[list[SequenceSpan]] = []
     for span in spans:
-        if span.context_len != span.query_len:
+        if not _is_fresh_prompt(span):
             continue
         last = runs[-1][-1] if runs else None
         if (last is not None and last.query_len == span.query_len
@@ -110,8 +115,8 @@ def _fresh_prompts_attention(query: torch.Tensor, key: torch.Tensor, value: torc
 
 def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    if paged_decode_available(query.dtype, query.device):
-        # Reads each request's blocks in place, only up to its context length: no gather, no padding.
+    if meta.decode_key_mask is None:
+        # The kernel reads each request's blocks in place, only up to its context length: no gather, no padding.
         return paged_decode_attention(query, key_cache, value_cache, meta.decode_block_table,
                                       meta.decode_context_lens, scale)
     num_seqs, num_heads, head_dim = query.shape

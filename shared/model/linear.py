@@ -1,11 +1,11 @@
-"""Linear layers that run float32 CPU matmuls through oneDNN instead of MKL's sgemm.
+"""Linear layers whose float32 CPU matmuls run through oneDNN on prepacked weights instead of MKL's sgemm.
 
 On the AMD EPYC (Zen 4) machines this project is measured on, MKL's sgemm takes a slower code path
 than on Intel parts: oneDNN's matmul ran 15-25% faster on the model's prefill shapes and 1.7x on the
-decode-time LM head ([64, 768] x [768, 32000]: 165 vs 98 GFLOP/s). Weights reordered once into
-oneDNN's blocked layout (pack_weight) gain another 10-20% on decode-sized batches, since the
-reorder otherwise happens inside every call. Everything else (CUDA, bfloat16, a torch built without
-oneDNN) keeps torch's own F.linear.
+decode-time LM head ([64, 768] x [768, 32000]: 165 vs 98 GFLOP/s), and weights reordered once into
+its blocked layout (pack_weight) gain another 10-20%, since the reorder otherwise happens inside
+every call. Everything else (CUDA, bfloat16, an unpacked layer, a torch built without oneDNN) keeps
+torch's own F.linear.
 """
 from __future__ import annotations
 
@@ -22,13 +22,9 @@ def _onednn_linear_available() -> bool:
 _ONEDNN_LINEAR = _onednn_linear_available()
 
 
-def uses_onednn(weight: torch.Tensor) -> bool:
-    return _ONEDNN_LINEAR and weight.dtype == torch.float32 and weight.device.type == "cpu"
-
-
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight in oneDNN's blocked layout for linear(), or None where oneDNN does not apply."""
-    if not uses_onednn(weight):
+    if not (_ONEDNN_LINEAR and weight.dtype == torch.float32 and weight.device.type == "cpu"):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
@@ -38,8 +34,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x @ weight.T + bias, as F.linear computes it; packed_weight: pack_weight(weight), if made."""
     if packed_weight is not None and x.dtype == torch.float32 and x.device.type == "cpu":
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
-    if uses_onednn(weight) and x.dtype == torch.float32:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 

@@ -51,8 +51,9 @@ class ModelRunner:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.config = loaded.config
         # Build (or load the cached build of) the decode kernel now, while the pod is still starting,
-        # not on the first decode step (a cold build takes about 10 s on 2 cores).
-        paged_decode_available(self.config.torch_dtype, self.device)
+        # not on the first decode step (a cold build takes about 10 s on 2 cores). Without it, decodes
+        # take the gather + SDPA path, which needs a key mask.
+        self._uses_decode_kernel = paged_decode_available(self.config.torch_dtype, self.device)
         self.model = loaded.model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -273,7 +274,7 @@ class ModelRunner:
             width = max(-(-c // bs) for c in context)
             table = self._ids([(r.state.block_ids[:width] + [0] * width)[:width] for r in decodes])
             lens = self._ids(context)
-            if not paged_decode_available(self.config.torch_dtype, self.device):
+            if not self._uses_decode_kernel:
                 mask = self._decode_key_mask(lens, width * bs)
         spans = []
         row = len(decodes)
