@@ -16,7 +16,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     TORCH_EXTENSIONS_DIR=/opt/pdserve/torch_extensions
 
-# g++ builds the paged decode kernel (shared/model/csrc); without it the engine falls back to a
+# g++ builds the paged decode kernel (shared/engine/model/csrc); without it the engine falls back to a
 # slower gather + SDPA decode attention.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
@@ -31,10 +31,11 @@ COPY shared/ shared/
 COPY prefill_svc/ prefill_svc/
 COPY decode_svc/ decode_svc/
 COPY router/ router/
+COPY colocated_svc/ colocated_svc/
 COPY pdserve/ pdserve/
 RUN python -m pip install . \
     && python -c "import torch, grpc, pdserve; print('torch', torch.__version__)" \
-    && python -c "from shared.model.paged_decode import paged_decode_available as built; assert built()"
+    && python -c "from shared.engine.model.paged_decode import paged_decode_available as built; assert built()"
 
 # The same uid the Kubernetes manifests run as (runAsUser: 10001).
 RUN groupadd --gid 10001 pdserve \

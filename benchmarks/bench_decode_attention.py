@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shared.model.paged_decode import paged_decode_attention, paged_decode_available  # noqa: E402
+from shared.engine.model.paged_decode import paged_decode_attention, paged_decode_available  # noqa: E402
 
 
 def make_inputs(args: argparse.Namespace, dtype: torch.dtype) -> dict:

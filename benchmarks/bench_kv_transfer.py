@@ -84,7 +84,7 @@ def _huge_page_kib() -> int | None:
 def _prefill_main(conn, poll_interval_s: float) -> None:
     import torch
 
-    from shared.kv_transfer.nixl_agent import KvTransferAgent
+    from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
 
     torch.set_num_threads(1)
     pool = torch.empty((POOL_BLOCKS, BLOCK_BYTES), dtype=torch.uint8)
@@ -117,7 +117,7 @@ def _time_interleaved(runs: dict[str, Callable[[int], None]], repeats: int, hot:
 def _decode_main(conn, repeats: int, hot: bool) -> None:
     import torch
 
-    from shared.kv_transfer.nixl_agent import KvTransferAgent, TransferState
+    from shared.engine.kv_transfer.transfer_agent import KvTransferAgent, TransferState
 
     # One thread, as the READ itself (UCX copies in the calling thread): on 2 busy cores torch's
     # parallel copy_ mostly measures thread hand-off jitter.

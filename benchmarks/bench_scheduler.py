@@ -13,10 +13,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shared.config import CacheConfig, SchedulerConfig  # noqa: E402
-from shared.request import Request, SamplingParams  # noqa: E402
-from shared.sched.output import ModelRunnerOutput  # noqa: E402
-from shared.sched.scheduler import Scheduler  # noqa: E402
+from shared.engine.sched_config import CacheConfig, SchedulerConfig  # noqa: E402
+from shared.engine.request import Request, SamplingParams  # noqa: E402
+from shared.engine.sched.output import ModelRunnerOutput  # noqa: E402
+from shared.engine.sched.scheduler import Scheduler  # noqa: E402
 
 EOS_TOKEN_ID = 2
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from pdserve.client import PdserveClient
 from pdserve.launcher import LocalCluster
-from shared.config import CacheConfig, SchedulerConfig
-from shared.engine import LLMEngine
-from shared.request import Request, SamplingParams
+from shared.engine.sched_config import CacheConfig, SchedulerConfig
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.request import Request, SamplingParams
 
 
 def _prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shared.config import CacheConfig, SchedulerConfig  # noqa: E402
-from shared.engine import LLMEngine  # noqa: E402
-from shared.request import SamplingParams  # noqa: E402
+from shared.engine.sched_config import CacheConfig, SchedulerConfig  # noqa: E402
+from shared.engine.llm_engine import LLMEngine  # noqa: E402
+from shared.engine.request import SamplingParams  # noqa: E402
 
 NUM_REQUESTS = 64
 PROMPT_LEN = 128

@@ -1,5 +1,5 @@
 """Composition root of the colocated server: `python -m colocated_svc --port 50061 --model tiny`.
-Flags are the pods' shared flags (shared/pod_main.py) plus --tokenizer for text prompts."""
+Flags are the pods' shared flags (shared/serving/pod_server.py) plus --tokenizer for text prompts."""
 from __future__ import annotations
 
 import argparse
@@ -11,8 +11,8 @@ from pathlib import Path
 
 from colocated_svc.servicer import ColocatedServicer
 from proto.pdserve.v1 import generate_pb2_grpc
-from shared.metrics import ServiceMetrics
-from shared.pod_main import add_pod_flags, pod_config_from_args, run_pod
+from shared.serving.metrics import ServiceMetrics
+from shared.serving.pod_server import add_pod_flags, pod_config_from_args, run_pod
 
 SERVICE_NAME = "pdserve.v1.GenerateService"
 DEFAULT_PORT = 50061

@@ -10,12 +10,12 @@ import grpc
 from opentelemetry import trace
 
 from proto.pdserve.v1 import generate_pb2_grpc
-from shared import convert
-from shared.metrics import ServiceMetrics
-from shared.pod_main import ADMISSION_ERRORS, STREAM_ERRORS, PodServicer, admission_status, stream_status
-from shared.request import FinishReason, Request, SamplingParams
-from shared.telemetry import SpanAttr
-from shared.text import TextStream
+from shared.serving import convert
+from shared.serving.metrics import ServiceMetrics
+from shared.serving.pod_server import ADMISSION_ERRORS, STREAM_ERRORS, PodServicer, admission_status, stream_status
+from shared.engine.request import FinishReason, Request, SamplingParams
+from shared.serving.telemetry import SpanAttr
+from shared.serving.text import TextStream
 
 logger = logging.getLogger(__name__)
 

@@ -6,13 +6,13 @@ import logging
 import os
 import sys
 
-from decode_svc.config import build_arg_parser, pod_config
+from decode_svc.flags import build_arg_parser, pod_config
 from decode_svc.kv_sources import KvSourceCache
 from decode_svc.servicer import DecodeServicer
 from proto.pdserve.v1 import decode_pb2_grpc
-from shared.kv_transfer.connector import KVRole
-from shared.metrics import ServiceMetrics
-from shared.pod_main import run_pod
+from shared.engine.kv_transfer.connector import KVRole
+from shared.serving.metrics import ServiceMetrics
+from shared.serving.pod_server import run_pod
 
 SERVICE_NAME = "pdserve.v1.DecodeService"
 

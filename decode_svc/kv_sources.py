@@ -10,9 +10,9 @@ import grpc
 from opentelemetry import context as otel_context
 
 from proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
-from shared import convert
-from shared.kv_transfer.handle import KvHandle
-from shared.kv_transfer.nixl_agent import KvSource
+from shared.serving import convert
+from shared.engine.kv_transfer.handle import KvHandle
+from shared.engine.kv_transfer.handle import KvSource
 
 logger = logging.getLogger(__name__)
 

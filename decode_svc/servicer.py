@@ -14,15 +14,15 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from proto.pdserve.v1 import common_pb2, decode_pb2_grpc
-from shared import convert
-from shared.engine_loop import RequestStream
-from shared.kv_transfer.connector import KVLoadFailurePolicy
-from shared.kv_transfer.handle import KvPullOutcome, KvPullStats
-from shared.kv_transfer.nixl import REMOTE_HANDLE, REMOTE_SOURCE
-from shared.metrics import ServiceMetrics
-from shared.pod_main import ADMISSION_ERRORS, STREAM_ERRORS, PodServicer, admission_status, stream_status
-from shared.request import FinishReason, Request
-from shared.telemetry import SpanAttr
+from shared.serving import convert, wire
+from shared.serving.engine_thread import RequestStream
+from shared.engine.kv_transfer.connector import KVLoadFailurePolicy
+from shared.engine.kv_transfer.handle import KvPullOutcome, KvPullStats
+from shared.engine.kv_transfer.nixl_connector import REMOTE_HANDLE, REMOTE_SOURCE
+from shared.serving.metrics import ServiceMetrics
+from shared.serving.pod_server import ADMISSION_ERRORS, STREAM_ERRORS, PodServicer, admission_status, stream_status
+from shared.engine.request import FinishReason, Request
+from shared.serving.telemetry import SpanAttr
 
 from decode_svc.kv_sources import KvSourceCache, KvSourceUnavailable
 
@@ -119,7 +119,7 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
                 async for outputs in stream.batches():
                     token_ids = [t for output in outputs for t in output.new_token_ids]
                     finish_reason = outputs[-1].finish_reason
-                    chunk = convert.DecodeChunk(token_ids=token_ids, finish_reason=finish_reason)
+                    chunk = wire.DecodeChunk(token_ids=token_ids, finish_reason=finish_reason)
                     if is_first:
                         stats = self.pod.connector.pop_pull_stats(request_id) or early_stats
                         self.metrics.record_transfer(stats.num_bytes, stats.seconds)
@@ -163,7 +163,7 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
         )
 
 
-    async def _engine_request(self, work: convert.DecodeInput) -> tuple[Request, KvPullStats]:
+    async def _engine_request(self, work: wire.DecodeInput) -> tuple[Request, KvPullStats]:
         """The engine request continuing prompt + generated, with the handle if it can be pulled from."""
         remaining = work.sampling.max_tokens - len(work.generated_token_ids)
         params = dataclasses.replace(work.sampling, max_tokens=remaining)

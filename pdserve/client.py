@@ -12,8 +12,8 @@ from typing import AsyncIterator, Iterator, Sequence
 import grpc
 
 from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
-from shared import convert
-from shared.request import FinishReason, SamplingParams
+from shared.serving import convert
+from shared.engine.request import FinishReason, SamplingParams
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 

@@ -6,12 +6,12 @@ import logging
 import os
 import sys
 
-from prefill_svc.config import build_arg_parser, pod_config
+from prefill_svc.flags import build_arg_parser, pod_config
 from prefill_svc.servicer import PrefillServicer
 from proto.pdserve.v1 import prefill_pb2_grpc
-from shared.kv_transfer.connector import KVRole
-from shared.metrics import ServiceMetrics
-from shared.pod_main import run_pod
+from shared.engine.kv_transfer.connector import KVRole
+from shared.serving.metrics import ServiceMetrics
+from shared.serving.pod_server import run_pod
 
 SERVICE_NAME = "pdserve.v1.PrefillService"
 

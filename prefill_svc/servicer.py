@@ -13,14 +13,14 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from shared import convert
-from shared.engine_loop import RequestStream
-from shared.kv_transfer.handle import KvHandle
-from shared.kv_transfer.nixl import DO_REMOTE_DECODE, REMOTE_HANDLE
-from shared.metrics import ServiceMetrics
-from shared.pod_main import ADMISSION_ERRORS, STREAM_ERRORS, PodServicer, admission_status, stream_status
-from shared.request import FinishReason, Request, SamplingParams
-from shared.telemetry import SpanAttr
+from shared.serving import convert, wire
+from shared.serving.engine_thread import RequestStream
+from shared.engine.kv_transfer.handle import KvHandle
+from shared.engine.kv_transfer.nixl_connector import DO_REMOTE_DECODE, REMOTE_HANDLE
+from shared.serving.metrics import ServiceMetrics
+from shared.serving.pod_server import ADMISSION_ERRORS, STREAM_ERRORS, PodServicer, admission_status, stream_status
+from shared.engine.request import FinishReason, Request, SamplingParams
+from shared.serving.telemetry import SpanAttr
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
                 self.record_stage_spans("prefill", parent, stream.timeline, {SpanAttr.REQUEST_ID: stream.request_id})
             self.metrics.record_outcome(outcome)
 
-    def _result(self, work: convert.PrefillInput, final, tokens: list[int], parent) -> convert.PrefillResult:
+    def _result(self, work: wire.PrefillInput, final, tokens: list[int], parent) -> wire.PrefillResult:
         if final.finish_reason is FinishReason.ERROR or not tokens:
             raise RuntimeError(f"prefill of {work.request_id} ended with {final.finish_reason} and no token")
         token_id = tokens[0]
@@ -133,8 +133,8 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
             if handle is not None:
                 self.pod.connector.release(work.request_id, handle.engine_id)  # nobody will pull it
                 self._end_hold_span(work.request_id, HOLD_ABANDONED)
-            return convert.PrefillResult(token_id, num_prompt, finish_reason=reason or final.finish_reason)
-        return convert.PrefillResult(token_id, num_prompt, handle=handle)
+            return wire.PrefillResult(token_id, num_prompt, finish_reason=reason or final.finish_reason)
+        return wire.PrefillResult(token_id, num_prompt, handle=handle)
 
     # ---- kv-hold spans -------------------------------------------------------------------------
     def _trace_hold(self, request_id: str, handle: KvHandle, parent) -> None:

@@ -10,14 +10,14 @@ import sys
 from prometheus_client import CollectorRegistry
 
 from proto.pdserve.v1 import decode_pb2_grpc, generate_pb2_grpc, prefill_pb2_grpc
-from router.config import RouterConfig, build_arg_parser
+from router.flags import RouterConfig, build_arg_parser
 from router.metrics import RouterMetrics
 from router.servicer import RouterServicer, RouterSettings
-from shared.text import TextCodec
+from shared.serving.text import TextCodec
 from router.workers import PoolSettings, WorkerPool
-from shared.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServerOptions
-from shared.metrics import start_metrics_server
-from shared.telemetry import TracingConfig, setup_tracing
+from shared.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServerOptions
+from shared.serving.metrics import start_metrics_server
+from shared.serving.telemetry import TracingConfig, setup_tracing
 
 logger = logging.getLogger("router")
 

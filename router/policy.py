@@ -5,7 +5,7 @@ import enum
 from dataclasses import dataclass
 from typing import Collection, Sequence
 
-from shared.convert import LoadReport
+from shared.serving.wire import LoadReport
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from opentelemetry import trace
 from proto.pdserve.v1 import generate_pb2_grpc, prefill_pb2
 from router.metrics import RouterMetrics
 from router.policy import NoPick, pick
-from shared.text import TextCodec
+from shared.serving.text import TextCodec
 from router.workers import WorkerPool
-from shared import convert
-from shared.request import FinishReason, SamplingParams
+from shared.serving import convert, wire
+from shared.engine.request import FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 break
             tried.append(choice.address)
             carries_handle = not hold.is_settled
-            work = convert.DecodeInput(
+            work = wire.DecodeInput(
                 request_id, prompt_ids, list(generated), sampling, hold.handle if carries_handle else None
             )
             received_any = False
@@ -291,7 +291,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         raise self._no_pick_error(self._decode, reason, last_error, tried)
 
     @staticmethod
-    def _decode_chunk(address: str, response) -> convert.DecodeChunk:
+    def _decode_chunk(address: str, response) -> wire.DecodeChunk:
         try:
             return convert.decode_chunk_from_proto(response)
         except ValueError as exc:

@@ -13,9 +13,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.pdserve.v1 import common_pb2
-from router.config import WorkerSpec, format_address
+from router.flags import WorkerSpec, format_address
 from router.policy import WorkerView
-from shared import convert
+from shared.serving import convert, wire
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class _Worker:
     probe_stub: Any
     health_stub: health_pb2_grpc.HealthStub
     is_healthy: bool = False
-    load: convert.LoadReport | None = None
+    load: wire.LoadReport | None = None
     num_inflight: int = 0
     is_retired: bool = False
 

@@ -1,12 +1,12 @@
 """Scheduler test helpers with the spec's parameters: create_scheduler(...) and create_requests(...)."""
 from __future__ import annotations
 
-from shared.config import CacheConfig, SchedulerConfig
-from shared.kv_transfer.connector import KVRole
-from shared.kv_transfer.loopback import LoopbackConnector, LoopbackKVStore
-from shared.request import PlaceholderRange, Request, SamplingParams
-from shared.sched.async_scheduler import AsyncScheduler
-from shared.sched.scheduler import Scheduler
+from shared.engine.sched_config import CacheConfig, SchedulerConfig
+from shared.engine.kv_transfer.connector import KVRole
+from shared.engine.kv_transfer.loopback import LoopbackConnector, LoopbackKVStore
+from shared.engine.request import PlaceholderRange, Request, SamplingParams
+from shared.engine.sched.async_scheduler import AsyncScheduler
+from shared.engine.sched.scheduler import Scheduler
 
 EOS_TOKEN_ID = 50256
 

@@ -8,10 +8,10 @@ from unittest.mock import Mock
 import pytest
 
 from sched_utils import create_requests, create_scheduler
-from shared.request import Request, RequestStatus
-from shared.sched.async_scheduler import AsyncScheduler
-from shared.sched.output import CachedRequestData, ModelRunnerOutput, SchedulerOutput
-from shared.structured_output import StructuredOutputGrammar
+from shared.engine.request import Request, RequestStatus
+from shared.engine.sched.async_scheduler import AsyncScheduler
+from shared.engine.sched.output import CachedRequestData, ModelRunnerOutput, SchedulerOutput
+from shared.engine.structured_output import StructuredOutputGrammar
 
 
 def _make_model_runner_output(scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

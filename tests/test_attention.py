@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.model import attention
-from shared.model.attention import AttentionMetadata, SequenceSpan, paged_attention
-from shared.model.paged_decode import paged_decode_available
+from shared.engine.model import attention
+from shared.engine.model.attention import AttentionMetadata, SequenceSpan, paged_attention
+from shared.engine.model.paged_decode import paged_decode_available
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 6, 2, 16, 4
 SCALE = HEAD_DIM ** -0.5

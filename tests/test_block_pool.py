@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.kv_cache.block_pool import BlockPool
-from shared.kv_cache.hashing import hash_block, hash_block_tokens, root_hash
+from shared.engine.kv_cache.block_pool import BlockPool
+from shared.engine.kv_cache.hashing import hash_block, hash_block_tokens, root_hash
 
 
 def test_null_block_is_reserved():
@@ -109,7 +109,7 @@ def test_hash_chaining():
 def test_hashes_are_identical_across_processes():
     # Prefill and decode pods must agree: no per-process salt (Python's hash() would differ).
     code = (
-        "from shared.kv_cache.hashing import hash_block_tokens, root_hash;"
+        "from shared.engine.kv_cache.hashing import hash_block_tokens, root_hash;"
         "print(hash_block_tokens(root_hash('s'), list(range(64)), 16)[-1].hex())"
     )
     outputs = {

@@ -10,12 +10,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from colocated_svc.servicer import ColocatedServicer
 from proto.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from shared.config import CacheConfig, SchedulerConfig
-from shared.engine import LLMEngine
-from shared.grpc_server import GrpcServer, ServerOptions
-from shared.metrics import ServiceMetrics
-from shared.pod import Pod, PodConfig
-from shared.request import FinishReason, SamplingParams
+from shared.engine.sched_config import CacheConfig, SchedulerConfig
+from shared.engine.llm_engine import LLMEngine
+from shared.serving.grpc_server import GrpcServer, ServerOptions
+from shared.serving.metrics import ServiceMetrics
+from shared.serving.pod_runtime import Pod, PodConfig
+from shared.engine.request import FinishReason, SamplingParams
 
 SERVICE = "pdserve.v1.GenerateService"
 NUM_BLOCKS = 128

@@ -1,10 +1,10 @@
-"""shared.convert round-trips domain values through proto and rejects bad input with precise messages."""
+"""shared.serving.convert round-trips domain values through proto and rejects bad input with precise messages."""
 import pytest
 
 from proto.pdserve.v1 import common_pb2, decode_pb2, generate_pb2, prefill_pb2
-from shared import convert
-from shared.kv_transfer.nixl_agent import KvRegion, KvSource
-from shared.request import FinishReason, SamplingParams
+from shared.serving import convert, wire
+from shared.engine.kv_transfer.handle import KvRegion, KvSource
+from shared.engine.request import FinishReason, SamplingParams
 
 LAYOUT = convert.KvLayout("tiny", "float32", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
 
@@ -75,7 +75,7 @@ def test_kv_handle_round_trip_and_validation():
 
 def test_kv_source_round_trip_and_region_checks():
     regions = tuple(KvRegion(0x1000 * (i + 1), 4096, 0) for i in range(4))
-    source = convert.PrefillKvSource("eng-1", LAYOUT, KvSource("agent-a", b"\x00meta", "DRAM", regions, 256, 16))
+    source = wire.PrefillKvSource("eng-1", LAYOUT, KvSource("agent-a", b"\x00meta", "DRAM", regions, 256, 16))
     assert convert.kv_source_from_proto(convert.kv_source_to_proto(source)) == source
     message = convert.kv_source_to_proto(source)
     del message.regions[-1]
@@ -86,11 +86,11 @@ def test_kv_source_round_trip_and_region_checks():
     with pytest.raises(ValueError, match="smaller than"):
         convert.kv_source_from_proto(message)
     with pytest.raises(ValueError, match="mem_type"):
-        convert.kv_source_to_proto(convert.PrefillKvSource("e", LAYOUT, KvSource("a", b"", "GPU", regions, 256, 16)))
+        convert.kv_source_to_proto(wire.PrefillKvSource("e", LAYOUT, KvSource("a", b"", "GPU", regions, 256, 16)))
 
 
 def test_load_and_pull_stats_round_trip():
-    load = convert.LoadReport(1, 2, 30, 64, 4, True)
+    load = wire.LoadReport(1, 2, 30, 64, 4, True)
     assert convert.load_report_from_proto(convert.load_report_to_proto(load)) == load
     stats = convert.KvPullStats(4096, 3, 1, 0.25, convert.KvPullOutcome.PULLED)
     assert convert.kv_pull_stats_from_proto(convert.kv_pull_stats_to_proto(stats)) == stats
@@ -111,21 +111,21 @@ def test_prefill_payloads():
     with pytest.raises(ValueError, match="request_id is empty"):
         convert.prefill_request_from_proto(prefill_pb2.PrefillRequest(prompt_token_ids=[1]))
 
-    with_handle = convert.PrefillResult(5, 10, handle=make_handle())
+    with_handle = wire.PrefillResult(5, 10, handle=make_handle())
     assert convert.prefill_result_from_proto(convert.prefill_result_to_proto(with_handle)) == with_handle
-    finished = convert.PrefillResult(5, 10, finish_reason=FinishReason.STOP)
+    finished = wire.PrefillResult(5, 10, finish_reason=FinishReason.STOP)
     assert convert.prefill_result_from_proto(convert.prefill_result_to_proto(finished)) == finished
     with pytest.raises(ValueError, match="exactly one"):
-        convert.prefill_result_to_proto(convert.PrefillResult(5, 10))
+        convert.prefill_result_to_proto(wire.PrefillResult(5, 10))
     with pytest.raises(ValueError, match="neither"):
         convert.prefill_result_from_proto(prefill_pb2.PrefillResponse(first_token_id=1))
 
 
 def test_decode_payloads():
     params = SamplingParams(max_tokens=8)
-    work = convert.DecodeInput("r1", list(range(10)), [42], params, make_handle())
+    work = wire.DecodeInput("r1", list(range(10)), [42], params, make_handle())
     assert convert.decode_request_from_proto(convert.decode_request_to_proto(work)) == work
-    recompute = convert.DecodeInput("r1", list(range(10)), [42, 43, 44], params, None)
+    recompute = wire.DecodeInput("r1", list(range(10)), [42, 43, 44], params, None)
     assert convert.decode_request_from_proto(convert.decode_request_to_proto(recompute)) == recompute
 
     bad = convert.decode_request_to_proto(work)
@@ -136,14 +136,14 @@ def test_decode_payloads():
     bad.prompt_token_ids.append(1)
     with pytest.raises(ValueError, match="handle covers 10 tokens but the prompt has 11"):
         convert.decode_request_from_proto(bad)
-    done = convert.decode_request_to_proto(convert.DecodeInput("r", [1], list(range(8)), params))
+    done = convert.decode_request_to_proto(wire.DecodeInput("r", [1], list(range(8)), params))
     with pytest.raises(ValueError, match="leave nothing to decode"):
         convert.decode_request_from_proto(done)
 
-    chunk = convert.DecodeChunk([1, 2], FinishReason.LENGTH,
+    chunk = wire.DecodeChunk([1, 2], FinishReason.LENGTH,
                                 convert.KvPullStats(10, 1, 0, 0.1, convert.KvPullOutcome.NO_HANDLE))
     assert convert.decode_chunk_from_proto(convert.decode_chunk_to_proto(chunk)) == chunk
-    assert convert.decode_chunk_from_proto(decode_pb2.DecodeResponse(token_ids=[3])) == convert.DecodeChunk([3])
+    assert convert.decode_chunk_from_proto(decode_pb2.DecodeResponse(token_ids=[3])) == wire.DecodeChunk([3])
 
 
 def test_generate_prompt():

@@ -9,13 +9,13 @@ import random
 import pytest
 import torch
 
-from shared.config import CacheConfig, SchedulerConfig
-from shared.engine import LLMEngine
-from shared.kv_transfer.connector import KVRole
-from shared.kv_transfer.loopback import LoopbackConnector, LoopbackKVStore
-from shared.model.config import ModelArchConfig, preset
-from shared.model.loader import load_model, random_model, save_pretrained
-from shared.request import FinishReason, Request, SamplingParams
+from shared.engine.sched_config import CacheConfig, SchedulerConfig
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.kv_transfer.connector import KVRole
+from shared.engine.kv_transfer.loopback import LoopbackConnector, LoopbackKVStore
+from shared.engine.model.model_config import ModelArchConfig, preset
+from shared.engine.model.loader import load_model, random_model, save_pretrained
+from shared.engine.request import FinishReason, Request, SamplingParams
 
 SMALL = ModelArchConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, max_position_embeddings=512, eos_token_id=None, bos_token_id=None)

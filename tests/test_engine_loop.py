@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from shared.config import CacheConfig, SchedulerConfig
-from shared.engine import LLMEngine
-from shared.engine_loop import EngineLoop, EngineStopped
-from shared.request import Request, SamplingParams
+from shared.engine.sched_config import CacheConfig, SchedulerConfig
+from shared.engine.llm_engine import LLMEngine
+from shared.serving.engine_thread import EngineLoop, EngineStopped
+from shared.engine.request import Request, SamplingParams
 
 
 def _engine() -> LLMEngine:

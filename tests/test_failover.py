@@ -9,9 +9,9 @@ import pytest
 
 from pdserve.client import PdserveClient
 from pdserve.launcher import LocalCluster
-from shared.config import CacheConfig, SchedulerConfig
-from shared.engine import LLMEngine
-from shared.request import SamplingParams
+from shared.engine.sched_config import CacheConfig, SchedulerConfig
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.request import SamplingParams
 
 MODEL_ARGS = ["--model", "tiny", "--seed", "0", "--num-blocks", "512"]
 MAX_TOKENS = 400

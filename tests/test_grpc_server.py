@@ -1,4 +1,4 @@
-"""shared.grpc_server: health goes NOT_SERVING -> SERVING -> NOT_SERVING across start/ready/shutdown,
+"""shared.serving.grpc_server: health goes NOT_SERVING -> SERVING -> NOT_SERVING across start/ready/shutdown,
 reflection lists the services, and an unexpected handler exception becomes INTERNAL."""
 import asyncio
 
@@ -8,7 +8,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
-from shared.grpc_server import GrpcServer, ServerOptions
+from shared.serving.grpc_server import GrpcServer, ServerOptions
 
 SERVICE = "pdserve.v1.GenerateService"
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -234,7 +234,7 @@ def test_jaeger_overlay_points_every_service_at_the_in_cluster_collector() -> No
 
 
 def test_router_contract_args_parse_with_the_router_parser() -> None:
-    from router.config import RouterConfig, build_arg_parser
+    from router.flags import RouterConfig, build_arg_parser
 
     parsed = build_arg_parser().parse_args(EXPECTED_ARGS["router"][1:])
     config = RouterConfig.from_args(parsed)
@@ -243,8 +243,8 @@ def test_router_contract_args_parse_with_the_router_parser() -> None:
 
 
 def component_parser(component: str):
-    """The pod's own command-line parser (prefill_svc.config / decode_svc.config)."""
-    return importlib.import_module(f"{component}_svc.config").build_arg_parser()
+    """The pod's own command-line parser (prefill_svc.flags / decode_svc.flags)."""
+    return importlib.import_module(f"{component}_svc.flags").build_arg_parser()
 
 
 @pytest.mark.parametrize("component", ["prefill", "decode"])

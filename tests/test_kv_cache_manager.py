@@ -7,9 +7,9 @@ import random
 import pytest
 
 from sched_utils import create_scheduler
-from shared.kv_cache.manager import KVCacheManager
-from shared.request import PlaceholderRange, Request, RequestStatus, SamplingParams
-from shared.sched.output import ModelRunnerOutput
+from shared.engine.kv_cache.manager import KVCacheManager
+from shared.engine.request import PlaceholderRange, Request, RequestStatus, SamplingParams
+from shared.engine.sched.output import ModelRunnerOutput
 
 BLOCK = 4
 

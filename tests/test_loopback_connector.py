@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.config import CacheConfig, SchedulerConfig
-from shared.kv_transfer.connector import KVLoadFailurePolicy, KVRole
-from shared.kv_transfer.loopback import LoopbackConnector, LoopbackKVStore
-from shared.request import FinishReason, Request, RequestStatus, SamplingParams
-from shared.sched.async_scheduler import AsyncScheduler
-from shared.sched.output import KVConnectorOutput, ModelRunnerOutput
-from shared.sched.scheduler import Scheduler
+from shared.engine.sched_config import CacheConfig, SchedulerConfig
+from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
+from shared.engine.kv_transfer.loopback import LoopbackConnector, LoopbackKVStore
+from shared.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from shared.engine.sched.async_scheduler import AsyncScheduler
+from shared.engine.sched.output import KVConnectorOutput, ModelRunnerOutput
+from shared.engine.sched.scheduler import Scheduler
 
 BLOCK = 16
 NUM_BLOCKS = 12

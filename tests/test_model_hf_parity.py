@@ -13,12 +13,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from shared.config import CacheConfig, SchedulerConfig  # noqa: E402
-from shared.engine import LLMEngine  # noqa: E402
-from shared.model.attention import AttentionMetadata, SequenceSpan  # noqa: E402
-from shared.model.config import ModelArchConfig  # noqa: E402
-from shared.model.loader import load_model, random_model, save_pretrained  # noqa: E402
-from shared.request import SamplingParams  # noqa: E402
+from shared.engine.sched_config import CacheConfig, SchedulerConfig  # noqa: E402
+from shared.engine.llm_engine import LLMEngine  # noqa: E402
+from shared.engine.model.attention import AttentionMetadata, SequenceSpan  # noqa: E402
+from shared.engine.model.model_config import ModelArchConfig  # noqa: E402
+from shared.engine.model.loader import load_model, random_model, save_pretrained  # noqa: E402
+from shared.engine.request import SamplingParams  # noqa: E402
 
 NUM_OUTPUT = 16
 BLOCK_SIZE = 16

@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 
-from shared.kv_transfer.connector import KVRole
-from shared.kv_transfer.handle import KvLayout, KvPullOutcome
-from shared.kv_transfer.nixl import DO_REMOTE_DECODE, REMOTE_HANDLE, NixlConnector
-from shared.kv_transfer.nixl_agent import KvTransferAgent
-from shared.request import Request, RequestStatus, SamplingParams
+from shared.engine.kv_transfer.connector import KVRole
+from shared.engine.kv_transfer.handle import KvLayout, KvPullOutcome
+from shared.engine.kv_transfer.nixl_connector import DO_REMOTE_DECODE, REMOTE_HANDLE, NixlConnector
+from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
+from shared.engine.request import Request, RequestStatus, SamplingParams
 
 LAYOUT = KvLayout("tiny@0", "float32", num_layers=4, num_kv_heads=4, head_dim=32, block_size=16)
 

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from shared.kv_transfer.block_runs import BlockRun, coalesce_block_runs
-from shared.kv_transfer.nixl_agent import (
+from shared.engine.kv_transfer.block_runs import BlockRun, coalesce_block_runs
+from shared.engine.kv_transfer.transfer_agent import (
     KvLayoutMismatchError,
     KvTransferAgent,
     KvTransferError,

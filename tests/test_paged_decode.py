@@ -13,7 +13,7 @@ import torch
 
 import torch.nn.functional as F
 
-from shared.model.paged_decode import paged_decode_attention, paged_decode_available
+from shared.engine.model.paged_decode import paged_decode_attention, paged_decode_available
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -196,7 +196,7 @@ def test_build_failure_falls_back_with_a_warning(tmp_path):
     script = textwrap.dedent("""
         import logging
         import torch
-        from shared.model.paged_decode import paged_decode_attention, paged_decode_available
+        from shared.engine.model.paged_decode import paged_decode_attention, paged_decode_available
         logging.basicConfig(level=logging.WARNING)
         assert paged_decode_available() is False
         assert paged_decode_available() is False  # the failure is cached, not retried

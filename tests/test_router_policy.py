@@ -1,11 +1,11 @@
-"""router.policy picks (least-loaded, round-robin, no-worker and overload reasons) and router.config parsing."""
+"""router.policy picks (least-loaded, round-robin, no-worker and overload reasons) and router.flags parsing."""
 
 import pytest
 
 from router import policy
-from router.config import RouterConfig, WorkerSpec, build_arg_parser, parse_worker_list, parse_worker_spec
+from router.flags import RouterConfig, WorkerSpec, build_arg_parser, parse_worker_list, parse_worker_spec
 from router.policy import NoPick, WorkerView
-from shared.convert import LoadReport
+from shared.serving.wire import LoadReport
 
 
 def view(address, healthy=True, waiting=0, running=0, free=10, total=10, overloaded=False, inflight=0, load=True):

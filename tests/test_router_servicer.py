@@ -14,13 +14,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.client import AsyncPdserveClient, PdserveClient
 from proto.pdserve.v1 import common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc
 from proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
-from router.config import WorkerSpec, parse_worker_spec
+from router.flags import WorkerSpec, parse_worker_spec
 from router.servicer import RouterServicer, RouterSettings
-from shared.text import TextCodec
+from shared.serving.text import TextCodec
 from router.workers import PoolSettings, WorkerPool, resolve_dns
-from shared import convert
-from shared.grpc_server import GrpcServer, ServerOptions
-from shared.request import FinishReason
+from shared.serving import convert, wire
+from shared.serving.grpc_server import GrpcServer, ServerOptions
+from shared.engine.request import FinishReason
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUT = convert.KvLayout("fake", "float32", 1, 1, 4, 4)
@@ -64,7 +64,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
         if finish is None:
             n = len(work.prompt_token_ids)
             handle = convert.KvHandle("eng-p", "127.0.0.1:1", range(-(-n // 4)), n, 4, LAYOUT, 2**40)
-        return convert.prefill_result_to_proto(convert.PrefillResult(first, n_prompt(request), finish, handle))
+        return convert.prefill_result_to_proto(wire.PrefillResult(first, n_prompt(request), finish, handle))
 
     async def ReleaseKv(self, request, context):
         self.released.append(request.request_id)
@@ -107,7 +107,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
                     finish = FinishReason.STOP
                 elif num_out >= work.sampling.max_tokens:
                     finish = FinishReason.LENGTH
-                yield convert.decode_chunk_to_proto(convert.DecodeChunk([last], finish, stats if sent == 1 else None))
+                yield convert.decode_chunk_to_proto(wire.DecodeChunk([last], finish, stats if sent == 1 else None))
                 if finish is not None:
                     return
         except asyncio.CancelledError:

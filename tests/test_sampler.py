@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from shared.model.sampler import filtered_probs, mix_seed, prompt_logprobs, sample, sample_row
-from shared.model.spec_decode import NgramProposer
-from shared.request import SamplingParams
+from shared.engine.model.sampler import filtered_probs, mix_seed, prompt_logprobs, sample, sample_row
+from shared.engine.model.spec_decode import NgramProposer
+from shared.engine.request import SamplingParams
 
 
 def _logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:

@@ -10,9 +10,9 @@ from unittest.mock import Mock
 import pytest
 
 from sched_utils import EOS_TOKEN_ID, create_requests, create_scheduler
-from shared.request import FinishReason, PlaceholderRange, RequestStatus
-from shared.sched.output import CachedRequestData, KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
-from shared.sched.scheduler import Scheduler
+from shared.engine.request import FinishReason, PlaceholderRange, RequestStatus
+from shared.engine.sched.output import CachedRequestData, KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from shared.engine.sched.scheduler import Scheduler
 
 NUM_PREALLOCATE_BLOCKS = 0
 
@@ -764,7 +764,7 @@ def test_sync_kv_load_failure(policy):
 
 def test_scheduler_eos_default_and_stats():
     scheduler = create_scheduler()
-    from shared.request import Request, SamplingParams
+    from shared.engine.request import Request, SamplingParams
 
     request = Request("x", [5, 6, 7], SamplingParams(max_tokens=10), eos_token_id=None)
     scheduler.add_request(request)
@@ -778,8 +778,8 @@ def test_scheduler_eos_default_and_stats():
 
 
 def test_config_validation():
-    from shared.config import CacheConfig, KVTransferConfig, SchedulerConfig
-    from shared.kv_transfer.connector import KVLoadFailurePolicy, KVRole
+    from shared.engine.sched_config import CacheConfig, KVTransferConfig, SchedulerConfig
+    from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
 
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerConfig(max_num_seqs=0)

@@ -26,10 +26,10 @@ from proto.pdserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from shared import convert
-from shared.config import CacheConfig, SchedulerConfig
-from shared.engine import LLMEngine
-from shared.request import FinishReason, SamplingParams
+from shared.serving import convert
+from shared.engine.sched_config import CacheConfig, SchedulerConfig
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.request import FinishReason, SamplingParams
 
 BLOCK_SIZE = 16
 LEASE_S = 3.0

@@ -14,8 +14,8 @@ import pytest
 from opentelemetry import context as otel_context
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.metrics import OUTCOMES, ServiceMetrics, start_metrics_server
-from shared.telemetry import SpanAttr, Tracing, TracingConfig, record_span, setup_tracing
+from shared.serving.metrics import OUTCOMES, ServiceMetrics, start_metrics_server
+from shared.serving.telemetry import SpanAttr, Tracing, TracingConfig, record_span, setup_tracing
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, children_of
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,0 +1,82 @@
+"""The KV-connector interface (vLLM v1 shape): a scheduler side that decides, a worker side that moves bytes.
+
+One object per engine implements both sides; its role says whether it produces KV for a peer,
+consumes KV from a peer, or both.
+"""
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shared.engine.sched.output import SchedulerOutput
+
+
+class KVRole(str, enum.Enum):
+    PRODUCER = "kv_producer"
+    CONSUMER = "kv_consumer"
+    BOTH = "kv_both"
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """Only a producer hands KV to a peer when a request completes."""
+        return self in (KVRole.PRODUCER, KVRole.BOTH)
+
+
+class KVLoadFailurePolicy(str, enum.Enum):
+    RECOMPUTE = "recompute"  # drop the remote KV and compute the prompt locally
+    FAIL = "fail"  # finish the request with FINISHED_ERROR
+
+
+@dataclass
+class KVConnectorMetadata:
+    """Per-step instructions from the scheduler side to the worker side."""
+
+    requests: list[Any] = field(default_factory=list)
+
+
+class KVConnectorBase(abc.ABC):
+    """Both sides of a connector. Method names follow vLLM v1 so the spec's mocks apply unchanged."""
+
+    def __init__(self, role: KVRole):
+        self.role = role
+
+    # ---- scheduler side -------------------------------------------------------------------
+    @abc.abstractmethod
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond num_computed_tokens available externally, and whether they load asynchronously."""
+
+    @abc.abstractmethod
+    def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        """Called once local blocks exist for the external tokens: remember where to load them."""
+
+    @abc.abstractmethod
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        """Collect this step's load/save instructions and reset the per-step state."""
+
+    @abc.abstractmethod
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """(delay_free, kv_transfer_params): delay_free keeps the blocks until finished_sending reports it."""
+
+    # ---- worker side ----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Register the paged KV tensors (layer name -> tensor) for transfers."""
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        """Issue this step's loads (asynchronous: completion shows up in get_finished)."""
+
+    def wait_for_save(self) -> None:
+        """Block until this step's saves are done (a pull-based producer has none)."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(finished_sending, finished_recving) since the last call."""
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Local blocks whose load failed since the last call."""
+        return set()
+
+    def shutdown(self) -> None:
+        """Release transfer resources."""

@@ -1,0 +1,226 @@
+"""LLMEngine: one scheduler, one model runner and an optional KV connector, stepped synchronously
+(schedule -> execute -> update_from_output), plus an offline generate() API.
+
+step() touches nothing outside the engine: the serving loop wraps it in a thread of its own.
+
+    engine = LLMEngine("tiny", SchedulerConfig(), CacheConfig(num_blocks=512))
+    [out] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=8))   # out.token_ids, out.finish_reason
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from shared.engine.sched_config import CacheConfig, SchedulerConfig
+from shared.engine.kv_cache.manager import KVCacheUsage
+from shared.engine.kv_transfer.connector import KVConnectorBase
+from shared.engine.model.loader import LoadedModel, load_model
+from shared.engine.model.runner import ModelRunner
+from shared.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from shared.engine.sched.output import EngineCoreOutput
+from shared.engine.sched.scheduler import Scheduler
+
+
+@dataclass
+class GenerationOutput:
+    """One finished request of generate()."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    text: str | None = None  # decoded output when the model has a tokenizer
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # None for the first prompt token
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class EngineCounters:
+    """Totals since the engine started, from the scheduler's per-step stats."""
+
+    num_steps: int = 0
+    num_scheduled_tokens: int = 0  # tokens the model computed (prompt chunks, decodes, drafts)
+    num_preemptions: int = 0
+    num_prefix_queried_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def add(self, num_scheduled_tokens: int, stats) -> None:
+        self.num_steps += 1
+        self.num_scheduled_tokens += num_scheduled_tokens
+        if stats is None:
+            return
+        self.num_preemptions += stats.num_preemptions
+        if stats.prefix_cache_stats is not None:
+            self.num_prefix_queried_tokens += stats.prefix_cache_stats.num_queried_tokens
+            self.num_prefix_hit_tokens += stats.prefix_cache_stats.num_hit_tokens
+        if stats.spec_decoding_stats is not None:
+            self.num_draft_tokens += stats.spec_decoding_stats.num_draft_tokens
+            self.num_accepted_tokens += stats.spec_decoding_stats.num_accepted_tokens
+
+
+# Steps computing fewer tokens than this run on one torch thread: on a few busy cores (the engine
+# shares them with the gRPC threads), waking more threads for a tiny step costs more than it saves.
+# Serving sweep, colocated, rate 4: TPOT p50 10.3 -> 6.8 ms; all at once: 1,390 -> 1,493 tok/s.
+SMALL_STEP_TOKENS = 16
+
+
+class LLMEngine:
+    def __init__(self, model: LoadedModel | str | Path, scheduler_config: SchedulerConfig,
+                 cache_config: CacheConfig, connector: KVConnectorBase | None = None, *,
+                 dtype: str | None = None, seed: int = 0, num_threads: int | None = None,
+                 ngram_min: int = 1, ngram_max: int = 3, device: str = "cpu"):
+        """model: a LoadedModel, a built-in preset name ("tiny", "100m") or an HF model directory.
+        seed: the built-in random weights' seed and the source of unseeded requests' seeds.
+        num_threads: torch intra-op threads (None leaves torch's setting alone).
+        device: where the model and the KV pool live ("cpu", "cuda", "cuda:1").
+        scheduler_config.max_model_len is capped at the model's max_position_embeddings."""
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self._max_threads = torch.get_num_threads()
+        self._threads = self._max_threads
+        if scheduler_config.async_scheduling:
+            raise ValueError("LLMEngine steps synchronously; async_scheduling is not supported here")
+        if scheduler_config.num_speculative_tokens and scheduler_config.speculative_method != "ngram":
+            raise ValueError(
+                f"speculative_method must be 'ngram' (the only proposer), got {scheduler_config.speculative_method!r}"
+            )
+        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, seed=seed)
+        self.loaded.model.to(device)
+        self.loaded.model.pack_weights()
+        self.model_config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        if scheduler_config.max_model_len > self.model_config.max_position_embeddings:
+            # The model's positions are a hard limit; the scheduler's setting is an upper bound.
+            scheduler_config = dataclasses.replace(
+                scheduler_config, max_model_len=self.model_config.max_position_embeddings
+            )
+        eos_ids = self.model_config.eos_token_ids
+        self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.connector = connector
+        self.scheduler = Scheduler(scheduler_config, cache_config, connector=connector,
+                                   eos_token_id=self.eos_token_id, log_stats=True)
+        self.runner = ModelRunner(
+            self.loaded, num_blocks=cache_config.num_blocks, block_size=cache_config.block_size,
+            num_speculative_tokens=scheduler_config.num_speculative_tokens,
+            ngram_min=ngram_min, ngram_max=ngram_max, connector=connector,
+            max_model_len=scheduler_config.max_model_len, seed=seed, device=device,
+        )
+        self.last_stats = None  # SchedulerStats of the latest step
+        self.counters = EngineCounters()
+        self._request_counter = itertools.count()
+
+    # ---- online API (called from one thread) --------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError for token ids outside the vocabulary or a prompt too long."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"request {request.request_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+            )
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """One schedule -> execute -> update round; the per-request outputs it produced."""
+        scheduler_output = self.scheduler.schedule()
+        self._use_threads(1 if scheduler_output.total_num_scheduled_tokens < SMALL_STEP_TOKENS else self._max_threads)
+        runner_output = self.runner.execute_model(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.last_stats = core_outputs.scheduler_stats
+        self.counters.add(scheduler_output.total_num_scheduled_tokens, self.last_stats)
+        return core_outputs.outputs
+
+    def _use_threads(self, num_threads: int) -> None:
+        if num_threads != self._threads:
+            torch.set_num_threads(num_threads)
+            self._threads = num_threads
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def has_pending_kv_work(self) -> bool:
+        """Steps are still needed without unfinished requests: runner state to drop, blocks held for a
+        peer's pull, or connector transfers and notifications to drive."""
+        if self.scheduler.has_finished_requests() or self.scheduler.num_held_requests:
+            return True
+        has_pending = getattr(self.connector, "has_pending_work", None)
+        return bool(has_pending and has_pending())
+
+    def kv_usage(self) -> KVCacheUsage:
+        return self.scheduler.get_kv_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_usage().num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.kv_usage().num_total_blocks
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # ---- offline API ---------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int] | str],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:
+        """Run prompts (token ids, or text when the model has a tokenizer) to completion; outputs in
+        prompt order."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        results: dict[str, GenerationOutput] = {}
+        order = []
+        for prompt, params in zip(prompts, sampling_params):
+            token_ids = self.encode(prompt)
+            request_id = f"generate-{next(self._request_counter)}"
+            self.add_request(Request(request_id, token_ids, params, eos_token_id=self.eos_token_id))
+            results[request_id] = GenerationOutput(request_id, token_ids, [], None)
+            if params.prompt_logprobs is not None:
+                results[request_id].prompt_logprobs = [None]
+            order.append(request_id)
+        pending = set(order)
+        while pending:
+            for out in self.step():
+                result = results.get(out.request_id)
+                if result is None:
+                    continue
+                result.token_ids.extend(out.new_token_ids)
+                if out.new_prompt_logprobs and result.prompt_logprobs is not None:
+                    result.prompt_logprobs.extend(out.new_prompt_logprobs)
+                if out.finished:
+                    result.finish_reason = out.finish_reason
+                    result.stop_reason = out.stop_reason
+                    pending.discard(out.request_id)
+        for result in results.values():
+            result.text = self.decode(result.token_ids)
+        return [results[request_id] for request_id in order]
+
+    def encode(self, prompt: Sequence[int] | str) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a model with tokenizer.json; pass token ids instead")
+            return self.tokenizer.encode(prompt).ids
+        return list(prompt)
+
+    def decode(self, token_ids: list[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(token_ids)

@@ -1,0 +1,154 @@
+"""Paged attention over a block-table-indexed KV cache, for a mixed batch of prefill chunks and decodes.
+
+Per layer the cache holds K and V as [num_blocks, block_size, num_kv_heads, head_dim]; token t of a
+request lives in block block_table[t // block_size] at offset t % block_size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shared.engine.model.paged_decode import paged_decode_attention
+
+
+@dataclass
+class SequenceSpan:
+    """One request with more than one query token this step (a prefill chunk or a decode plus drafts)."""
+
+    query_start: int  # first row of this request in the flattened batch
+    query_len: int
+    context_len: int  # tokens whose KV the queries see: computed before this step + query_len
+    block_ids: torch.Tensor  # long [num_blocks_needed]: the blocks holding those context tokens
+
+
+@dataclass
+class AttentionMetadata:
+    """How the flattened token batch maps onto requests and cache slots for one forward pass.
+
+    Single-token requests (plain decodes) come first in the batch, rows [0, num_decode_tokens), and
+    are served by one batched attention; longer spans follow, one attention call per span.
+    """
+
+    slot_mapping: torch.Tensor  # long [num_tokens]: flat cache slot each new token's KV goes to
+    num_decode_tokens: int
+    decode_block_table: torch.Tensor | None  # long [num_decodes, max_blocks], padded with block 0
+    decode_context_lens: torch.Tensor | None  # long [num_decodes]
+    # additive (0 / -inf) [num_decodes, 1, 1, max_blocks * block_size] for the gather + SDPA decode
+    # path; None selects the paged decode kernel (the runner leaves it out when the kernel is built)
+    decode_key_mask: torch.Tensor | None
+    spans: list[SequenceSpan]
+
+
+@dataclass
+class OutputRows:
+    """A subset of the batch's rows (ascending) and the attention metadata of just those rows.
+
+    Decode rows are always all kept; a span keeps a suffix of its queries (its context is unchanged,
+    so a partial suffix reads its keys back from the cache)."""
+
+    rows: torch.Tensor  # long [num_kept]
+    meta: AttentionMetadata
+
+
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K and V rows into their slots; a block is [block_size, kv_heads, head_dim]."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """query [T, H, D], key/value [T, KVH, D] (already written to the cache) -> output [T, H, D]."""
+    output = torch.empty_like(query)
+    num_decode = meta.num_decode_tokens
+    if num_decode:
+        output[:num_decode] = _decode_attention(query[:num_decode], key_cache, value_cache, meta, scale)
+    for run in _fresh_prompt_runs(meta.spans):
+        rows = slice(run[0].query_start, run[-1].query_start + run[-1].query_len)
+        output[rows] = _fresh_prompts_attention(query[rows], key[rows], value[rows], len(run), scale)
+    for span in meta.spans:
+        if _is_fresh_prompt(span):
+            continue  # served above, batched with its run
+        rows = slice(span.query_start, span.query_start + span.query_len)
+        output[rows] = _span_attention(query[rows], key_cache, value_cache, span, scale)
+    return output
+
+
+def _is_fresh_prompt(span: SequenceSpan) -> bool:
+    """A whole prompt with no earlier context: it attends only to this step's own K and V."""
+    return span.context_len == span.query_len
+
+
+def _fresh_prompt_runs(spans: list[SequenceSpan]) -> list[list[SequenceSpan]]:
+    """Adjacent spans that are whole fresh prompts (no earlier context) of one length, grouped: each
+    group is one batched causal attention instead of a call per prompt (a 64-prompt prefill step
+    otherwise pays 64 calls' fixed cost per layer)."""
+    runs: list[list[SequenceSpan]] = []
+    for span in spans:
+        if not _is_fresh_prompt(span):
+            continue
+        last = runs[-1][-1] if runs else None
+        if (last is not None and last.query_len == span.query_len
+                and last.query_start + last.query_len == span.query_start):
+            runs[-1].append(span)
+        else:
+            runs.append([span])
+    return runs
+
+
+def _fresh_prompts_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             num_prompts: int, scale: float) -> torch.Tensor:
+    """num_prompts equal-length prompts laid end to end: [N * L, heads, D] -> causal attention each."""
+    total, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    q = query.view(num_prompts, -1, num_heads, head_dim).transpose(1, 2)
+    k = key.view(num_prompts, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = value.view(num_prompts, -1, num_kv_heads, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(total, num_heads, head_dim)
+
+
+def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    if meta.decode_key_mask is None:
+        # The kernel reads each request's blocks in place, only up to its context length: no gather, no padding.
+        return paged_decode_attention(query, key_cache, value_cache, meta.decode_block_table,
+                                      meta.decode_context_lens, scale)
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    # No kernel (another device, no compiler): gather each request's blocks (index_select copies
+    # whole blocks: much faster than advanced indexing) into [B, S, KVH, D]; keys past a request's
+    # context length are masked out.
+    flat_table = meta.decode_block_table.flatten()
+    keys = key_cache.index_select(0, flat_table).view(num_seqs, -1, num_kv_heads, head_dim)
+    values = value_cache.index_select(0, flat_table).view(num_seqs, -1, num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=meta.decode_key_mask, scale=scale, enable_gqa=True,
+    )
+    return out.view(num_seqs, num_heads, head_dim)
+
+
+def _span_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    span: SequenceSpan, scale: float) -> torch.Tensor:
+    """A span with earlier context (a later prefill chunk, a prefix-cache hit, a decode with drafts,
+    or a kept suffix of queries): read the whole context back from the cache blocks."""
+    query_len, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    num_past = span.context_len - query_len
+    q = query.transpose(0, 1).unsqueeze(0)
+    k = key_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)[: span.context_len]
+    v = value_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)[: span.context_len]
+    k = k.transpose(0, 1).unsqueeze(0)
+    v = v.transpose(0, 1).unsqueeze(0)
+    # Query i sits at position num_past + i and may see keys 0..num_past + i (bottom-right causal).
+    query_pos = torch.arange(num_past, span.context_len, device=query.device).unsqueeze(1)
+    future = torch.arange(span.context_len, device=query.device).unsqueeze(0) > query_pos
+    mask = torch.zeros(future.shape, dtype=query.dtype, device=query.device).masked_fill_(future, float("-inf"))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,182 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2) in torch, running on the paged KV cache.
+
+q/k/v and gate/up projections are fused so a step does one matmul per projection for the whole
+mixed batch; the loader splits and joins Hugging Face weights to match.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.engine.model.attention import AttentionMetadata, OutputRows, paged_attention, write_kv
+from shared.engine.model.model_config import ModelArchConfig
+from shared.engine.model.linear import Linear, linear, pack_weight
+
+
+def rope_inverse_frequencies(config: ModelArchConfig) -> torch.Tensor:
+    """Per-pair rotary frequencies, with llama3 or linear scaling applied the way transformers does."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling["factor"])
+    if rope_type == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths are slowed by factor, short ones kept, the band between interpolated.
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    old_context = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_position_embeddings, looked up per token."""
+
+    def __init__(self, config: ModelArchConfig):
+        super().__init__()
+        inv_freq = rope_inverse_frequencies(config)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = positions.unsqueeze(1) * inv_freq.unsqueeze(0)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dtype = config.torch_dtype
+        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # [T, 1, D]: broadcast over heads. index_select: advanced indexing (table[positions]) took
+        # 0.5 ms for 128 rows of a small table on the CPU, a large share of a short prefill.
+        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1), without building rotate_half:
+    the same products and sums in the same order (a + (-b) is a - b exactly), so bit-identical to
+    transformers, with two fewer activation-sized temporaries."""
+    half = x.shape[-1] // 2
+    out = x * cos
+    out[..., :half] -= x[..., half:] * sin[..., :half]
+    out[..., half:] += x[..., :half] * sin[..., half:]
+    return out
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the storage dtype, as the reference implementation does.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> Linear:
+    layer = Linear(in_features, out_features, bias=bias, dtype=dtype, device="meta")
+    return layer.to_empty(device="cpu").requires_grad_(False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelArchConfig):
+        super().__init__()
+        dtype = config.torch_dtype
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim ** -0.5
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.qkv_proj = _linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, dtype)
+        self.o_proj = _linear(self.q_size, config.hidden_size, False, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, False, dtype)
+        self.down_proj = _linear(config.intermediate_size, config.hidden_size, False, dtype)
+        self.intermediate_size = config.intermediate_size
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                keep: OutputRows | None = None) -> torch.Tensor:
+        """keep: compute the layer's output only for these rows (K and V still for every row)."""
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(hidden))
+        # Rotate q and k heads together: one set of elementwise ops instead of two.
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache
+        write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
+        if keep is not None:
+            q, k, v, hidden = (t.index_select(0, keep.rows) for t in (q, k, v, hidden))
+            meta = keep.meta
+            num_tokens = hidden.shape[0]
+        attn = paged_attention(q, k, v, key_cache, value_cache, meta, self.scale)
+        hidden = hidden + self.o_proj(attn.view(num_tokens, self.q_size))
+        gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        # gate is a strided half of gate_up: silu writes a new contiguous tensor, which the down
+        # projection's matmul then takes as is (an in-place silu kept the stride and cost a copy there).
+        activated = F.silu(gate).mul_(up)
+        return hidden + self.down_proj(activated)
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head; forward returns hidden states."""
+
+    def __init__(self, config: ModelArchConfig):
+        super().__init__()
+        self.config = config
+        dtype = config.torch_dtype
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device="meta")
+        self.embed_tokens = self.embed_tokens.to_empty(device="cpu").requires_grad_(False)
+        self.rotary = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head_packed: torch.Tensor | None = None  # set by pack_weights()
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype)
+
+    def pack_weights(self) -> None:
+        """Reorder every linear weight (and the LM head) once for the CPU matmul library; call after
+        loading and moving the model. A no-op where the packed path does not apply (CUDA, bfloat16)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        self.lm_head_packed = pack_weight(self.lm_head_weight)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                output_rows: OutputRows | None = None) -> torch.Tensor:
+        """Hidden states of every row, or only of output_rows.rows when given: past the last layer's
+        K/V nothing else depends on the other rows, so its attention and MLP skip them."""
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            hidden = layer(hidden, cos, sin, kv_cache, meta, output_rows if i == last else None)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits for the given rows (only the rows that sample or need prompt logprobs)."""
+        return linear(hidden, self.lm_head_weight, None, self.lm_head_packed).float()

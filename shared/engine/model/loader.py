@@ -1,0 +1,182 @@
+"""Builds a LlamaModel from a Hugging Face directory or a built-in preset with seeded random weights,
+and writes our weights back out as an HF-format directory (so transformers can load the same model).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from shared.engine.model.model_config import PRESETS, ModelArchConfig, preset
+from shared.engine.model.llama import LlamaModel
+
+INIT_STD = 0.02
+
+
+@dataclass
+class LoadedModel:
+    config: ModelArchConfig
+    model: LlamaModel
+    tokenizer: Any | None  # tokenizers.Tokenizer when the directory has tokenizer.json
+
+
+def load_model(source: str | Path, dtype: str | None = None, seed: int = 0) -> LoadedModel:
+    """source: a preset name ("tiny", "100m") for random weights from seed, or an HF model directory."""
+    if isinstance(source, str) and source in PRESETS:
+        config = preset(source, dtype or "float32")
+        return LoadedModel(config=config, model=random_model(config, seed), tokenizer=None)
+    path = Path(source)
+    if not path.is_dir():
+        raise ValueError(f"model {str(source)!r} is neither a built-in ({sorted(PRESETS)}) nor a directory")
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{path} has no config.json")
+    config = ModelArchConfig.from_json_file(config_path, dtype=dtype)
+    model = LlamaModel(config)
+    load_hf_weights(model, _read_safetensors(path, config.torch_dtype))
+    return LoadedModel(config=config, model=model.eval(), tokenizer=load_tokenizer(path))
+
+
+def load_tokenizer(path: Path) -> Any | None:
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_file))
+
+
+def random_model(config: ModelArchConfig, seed: int) -> LlamaModel:
+    """Deterministic random weights: the same (config, seed) gives the same model in any process."""
+    model = LlamaModel(config)
+    generator = torch.Generator().manual_seed(seed)
+    for name, tensor in sorted(model.state_dict().items()):
+        if name.startswith("rotary."):
+            continue
+        if name.endswith("norm.weight"):
+            # Not all ones, so a wrong norm weight shows up in the parity tests.
+            values = 1.0 + 0.1 * torch.randn(tensor.shape, generator=generator)
+        else:
+            values = INIT_STD * torch.randn(tensor.shape, generator=generator)
+        tensor.copy_(values.to(tensor.dtype))
+    return model.eval()
+
+
+# ---- Hugging Face weight names <-> our fused layout ---------------------------------------------
+
+def to_hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
+    config = model.config
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    out = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight}
+    if model.lm_head is not None:
+        out["lm_head.weight"] = model.lm_head.weight
+    for i, layer in enumerate(model.layers):
+        prefix = f"model.layers.{i}."
+        q, k, v = layer.qkv_proj.weight.split((q_size, kv_size, kv_size))
+        out.update({
+            prefix + "self_attn.q_proj.weight": q, prefix + "self_attn.k_proj.weight": k,
+            prefix + "self_attn.v_proj.weight": v, prefix + "self_attn.o_proj.weight": layer.o_proj.weight,
+            prefix + "input_layernorm.weight": layer.input_layernorm.weight,
+            prefix + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+            prefix + "mlp.down_proj.weight": layer.down_proj.weight,
+        })
+        gate, up = layer.gate_up_proj.weight.split(config.intermediate_size)
+        out[prefix + "mlp.gate_proj.weight"], out[prefix + "mlp.up_proj.weight"] = gate, up
+        if layer.qkv_proj.bias is not None:
+            qb, kb, vb = layer.qkv_proj.bias.split((q_size, kv_size, kv_size))
+            out.update({prefix + "self_attn.q_proj.bias": qb, prefix + "self_attn.k_proj.bias": kb,
+                        prefix + "self_attn.v_proj.bias": vb})
+    return {name: t.contiguous() for name, t in out.items()}
+
+
+def load_hf_weights(model: LlamaModel, weights: dict[str, torch.Tensor]) -> None:
+    def take(name: str) -> torch.Tensor:
+        if name not in weights:
+            raise ValueError(f"checkpoint is missing weight {name!r}")
+        return weights[name]
+
+    def put(dest: torch.Tensor, src: torch.Tensor, name: str) -> None:
+        if dest.shape != src.shape:
+            raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(src)
+
+    with torch.no_grad():
+        put(model.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        put(model.norm.weight, take("model.norm.weight"), "model.norm.weight")
+        if model.lm_head is not None:
+            put(model.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+        for i, layer in enumerate(model.layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+            put(layer.qkv_proj.weight, qkv, p + "self_attn.qkv_proj.weight")
+            if layer.qkv_proj.bias is not None:
+                bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+                put(layer.qkv_proj.bias, bias, p + "self_attn.qkv_proj.bias")
+            put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            put(layer.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
+            put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
+            put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"),
+                p + "post_attention_layernorm.weight")
+
+
+def _read_safetensors(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        with index_file.open() as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for file_name in files:
+        with safe_open(str(path / file_name), framework="pt") as f:
+            for name in f.keys():
+                weights[name] = f.get_tensor(name).to(dtype)
+    return weights
+
+
+def save_pretrained(loaded_or_model: LoadedModel | LlamaModel, path: str | Path,
+                    max_shard_bytes: int | None = None) -> Path:
+    """Write config.json and safetensors (sharded with an index when max_shard_bytes is exceeded)."""
+    model = loaded_or_model.model if isinstance(loaded_or_model, LoadedModel) else loaded_or_model
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with (path / "config.json").open("w") as f:
+        json.dump(model.config.to_hf_dict(), f, indent=2)
+    state = to_hf_state_dict(model)
+    shards = _shard(state, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+        return path
+    weight_map = {}
+    for n, shard in enumerate(shards, start=1):
+        file_name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / file_name), metadata={"format": "pt"})
+        weight_map.update({name: file_name for name in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    with (path / "model.safetensors.index.json").open("w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return path
+
+
+def _shard(state: dict[str, torch.Tensor], max_shard_bytes: int | None) -> list[dict[str, torch.Tensor]]:
+    if max_shard_bytes is None:
+        return [state]
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards

@@ -1,0 +1,119 @@
+"""Plain data the scheduler hands to the model runner, and the runner hands back.
+
+This is the contract between deciding (scheduler) and executing (runner): no torch, no behaviour.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.engine.request import FinishReason, SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen, or one resumed after preemption (the runner re-adds it)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    # Every token the runner must hold for this request: the prompt plus any output tokens
+    # already generated (non-empty output only for a resumed request).
+    prefill_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]  # the whole block table (one KV-cache group)
+    num_computed_tokens: int  # tokens whose KV is already in those blocks
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds, scheduled again this step (columnar, one entry per request)."""
+
+    req_ids: list[str]
+    # Token ids the runner has not seen yet (non-empty only when the runner cannot know them,
+    # e.g. tokens appended by the scheduler itself); the runner tracks its own sampled tokens.
+    new_token_ids: list[list[int]]
+    new_block_ids: list[list[int] | None]  # blocks appended to the block table this step
+    num_computed_tokens: list[int]
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    @classmethod
+    def make_empty(cls) -> "CachedRequestData":
+        return cls(req_ids=[], new_token_ids=[], new_block_ids=[], num_computed_tokens=[])
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's decisions."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens to compute this step (incl. drafts)
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]]  # req_id -> draft tokens to verify
+    scheduled_encoder_inputs: dict[str, list[int]]  # req_id -> multimodal input indices
+    num_common_prefix_blocks: list[int]
+    finished_req_ids: set[str]  # finished since the last step: the runner drops their state
+    free_encoder_mm_hashes: list[str]
+    preempted_req_ids: set[str] | None = None  # preempted this step: the runner drops their state
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: Any = None
+    kv_connector_metadata: Any = None  # the connector's per-step metadata (KVConnectorMetadata)
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the worker-side connector reports after a step."""
+
+    finished_sending: set[str] | None = None  # producer: holds released, blocks may be freed
+    finished_recving: set[str] | None = None  # consumer: remote KV landed, request may run
+    invalid_block_ids: set[int] = field(default_factory=set)  # blocks whose load failed
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One step's results, indexed like req_ids."""
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    # Per request: sampled tokens (empty for a partial prefill; more than one after accepted drafts).
+    sampled_token_ids: list[list[int]]
+    logprobs: Any = None
+    prompt_logprobs_dict: dict[str, Any] = field(default_factory=dict)
+    pooler_output: list[Any] = field(default_factory=list)
+    # Draft tokens proposed for the next step, per request (None when speculation is off).
+    spec_token_ids: list[list[int]] | None = None
+    kv_connector_output: KVConnectorOutput | None = None
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one request produced in one step, for the engine to stream."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    kv_transfer_params: dict | None = None  # set when a finished producer request holds KV for a peer
+    new_prompt_logprobs: Any = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """One update_from_output() result."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: Any = None  # SchedulerStats when the scheduler logs stats
+    finished_requests: set[str] = field(default_factory=set)  # finished during this update

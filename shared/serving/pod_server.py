@@ -1,0 +1,277 @@
+"""What the prefill and decode composition roots share: pod flags, and running a pod behind its gRPC
+server (tracing, metrics endpoint, health flipped to SERVING once the model and KV pool are ready)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import grpc
+from opentelemetry import context as otel_context
+
+from shared.serving.engine_thread import EngineStopped, RequestTimeline
+from shared.serving.grpc_server import GrpcServer, ServerOptions
+from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
+from shared.serving.metrics import ServiceMetrics, start_metrics_server
+from shared.serving.pod_runtime import Pod, PodConfig, PodOverloaded
+from shared.serving.telemetry import (
+    DEFAULT_UNTRACED_METHOD_PREFIXES, SpanAttr, Tracing, TracingConfig, record_span, setup_tracing,
+)
+
+logger = logging.getLogger(__name__)
+
+# How often the pod's load gauges are refreshed for Prometheus.
+GAUGE_INTERVAL_S = 0.5
+# How often the pod checks that its engine thread is alive.
+ENGINE_WATCH_INTERVAL_S = 0.5
+# How often a draining pod looks whether its last requests and holds are gone.
+DRAIN_POLL_S = 0.02
+
+
+def add_pod_flags(parser: argparse.ArgumentParser, *, default_port: int) -> None:
+    defaults = PodConfig()
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=default_port, help=f"gRPC port (0 = any free; default {default_port})")
+    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = any free; off if unset)")
+    parser.add_argument("--otlp-endpoint", default=None, help="OTLP/gRPC trace endpoint, e.g. http://127.0.0.1:4317")
+    parser.add_argument("--otel-sampling-ratio", type=float, default=None, help="trace sampling ratio in [0, 1]")
+    parser.add_argument("--model", default=defaults.model, help="built-in preset (tiny, 100m) or an HF model directory")
+    parser.add_argument("--dtype", default=defaults.dtype, choices=("float32", "bfloat16"))
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the built-in random weights")
+    parser.add_argument("--block-size", type=int, default=defaults.block_size)
+    parser.add_argument("--num-blocks", type=int, default=defaults.num_blocks, help="KV blocks in the pool")
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
+    parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    parser.add_argument("--device", default=defaults.device, help="cpu (default) or cuda[:N]")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--max-requests-in-flight", type=int, default=defaults.max_requests_in_flight)
+    parser.add_argument(
+        "--grace-seconds", type=float, default=ServerOptions.grace_seconds,
+        help="on SIGTERM: how long requests in flight (and KV held for a peer) may take to finish",
+    )
+
+
+def pod_config_from_args(args: argparse.Namespace, **role_settings: Any) -> PodConfig:
+    return PodConfig(
+        model=args.model,
+        dtype=args.dtype,
+        seed=args.seed,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_requests_in_flight=args.max_requests_in_flight,
+        num_threads=args.num_threads,
+        device=args.device,
+        **role_settings,
+    )
+
+
+def parse_failure_policy(value: str) -> KVLoadFailurePolicy:
+    return KVLoadFailurePolicy(value)
+
+
+async def refresh_gauges(pod: Pod, metrics: ServiceMetrics) -> None:
+    num_lease_expiries = 0
+    while True:
+        if pod.connector is not None:
+            # The connector counts on the engine thread; the counter catches up here.
+            metrics.lease_expiries.inc(pod.connector.num_lease_expiries - num_lease_expiries)
+            num_lease_expiries = pod.connector.num_lease_expiries
+        load = pod.load_report()
+        metrics.set_queue(num_waiting=load.num_waiting, num_running=load.num_running)
+        metrics.set_kv_blocks(
+            num_used=load.num_total_blocks - load.num_free_blocks,
+            num_free=load.num_free_blocks,
+            num_held_for_peer=load.num_held_blocks,
+        )
+        await asyncio.sleep(GAUGE_INTERVAL_S)
+
+
+# What Pod.submit raises when it does not admit a request.
+ADMISSION_ERRORS = (PodOverloaded, EngineStopped, ValueError)
+
+
+def admission_status(error: Exception) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and the metrics outcome for a request the pod did not admit."""
+    if isinstance(error, PodOverloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded"
+    if isinstance(error, EngineStopped):
+        return grpc.StatusCode.UNAVAILABLE, "error"
+    return grpc.StatusCode.ALREADY_EXISTS, "invalid"  # its request id is already in flight
+
+
+# What a request's output stream raises when the engine cannot finish it.
+STREAM_ERRORS = (EngineStopped, ValueError)
+
+
+def stream_status(error: Exception) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and the metrics outcome for a request whose stream broke off."""
+    if isinstance(error, EngineStopped):
+        return grpc.StatusCode.UNAVAILABLE, "error"
+    return grpc.StatusCode.INVALID_ARGUMENT, "invalid"  # the engine refused the request
+
+
+class PodServicer:
+    """Base of the pod servicers: registered before the model loads, attached to the pod once ready.
+    Holds the service's tracing (a disabled one until run_pod hands the real one over)."""
+
+    def __init__(self) -> None:
+        self.pod: Pod | None = None
+        self.tracing = Tracing(TracingConfig(service_name="pdserve-pod"), None)
+        self.is_draining = False
+
+    def use_tracing(self, tracing: Tracing) -> None:
+        """Called before the server starts (client channels made later carry its interceptors)."""
+        self.tracing = tracing
+
+    def record_finish(self, span, num_tokens: int, reason, first_token_at: float | None) -> None:
+        """Token count, finish reason and TPOT (histogram and span attribute) of a finished stream."""
+        span.set_attribute(SpanAttr.NUM_OUTPUT_TOKENS, num_tokens)
+        span.set_attribute(SpanAttr.FINISH_REASON, reason.value)
+        if num_tokens > 1 and first_token_at is not None:
+            tpot_s = (time.monotonic() - first_token_at) / (num_tokens - 1)
+            self.metrics.tpot_seconds.observe(tpot_s)
+            span.set_attribute(SpanAttr.TPOT_S, tpot_s)
+
+    def attach(self, pod: Pod) -> None:
+        self.pod = pod
+
+    async def close(self) -> None:
+        """Shutdown, after the pod stopped: end what the servicer still tracks."""
+
+    async def require_pod(self, context) -> Pod:
+        if self.pod is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the pod is still loading its model")
+        return self.pod
+
+    async def admit(self, context) -> Pod:
+        """require_pod for calls that start new work: none once the pod drains for shutdown."""
+        if self.is_draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the pod is shutting down")
+        return await self.require_pod(context)
+
+    # ---- tracing helpers (all no-ops when tracing is off) -------------------------------------
+    def trace_parent(self) -> otel_context.Context | None:
+        """The handler's context (its SERVER span) to parent spans recorded later; None when off."""
+        return otel_context.get_current() if self.tracing.is_enabled else None
+
+    def record_span(
+        self, name: str, parent: otel_context.Context | None, start_ns: int | None, end_ns: int | None,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> None:
+        """A finished span measured elsewhere; skipped when tracing is off or a stage was never reached."""
+        if parent is None or start_ns is None or end_ns is None:
+            return
+        record_span(self.tracing.tracer, name, parent, start_ns, max(start_ns, end_ns), attributes)
+
+    def record_stage_spans(
+        self, tier: str, parent: otel_context.Context | None, timeline: RequestTimeline,
+        attributes: Mapping[str, Any], end_ns: int | None = None,
+    ) -> None:
+        """`{tier}-queue` (arrival to first scheduled) and `{tier}` compute (first computing step to
+        the finished output, or `end_ns` for a request that ended early)."""
+        if parent is None:
+            return
+        end_ns = timeline.finished_ns or end_ns or time.time_ns()
+        queued = {key: attributes[key] for key in (SpanAttr.REQUEST_ID,) if key in attributes}
+        self.record_span(f"{tier}-queue", parent, timeline.submitted_ns, timeline.scheduled_ns or end_ns, queued)
+        self.record_span(tier, parent, timeline.computing_ns, end_ns, attributes)
+
+
+async def drain(pod: Pod, grace_s: float) -> None:
+    """Wait (at most grace_s) until no request is in flight and no KV is held for a peer."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        is_holding = pod.connector is not None and pod.connector.num_held_blocks > 0
+        if pod.loop.num_in_flight == 0 and not is_holding:
+            return
+        await asyncio.sleep(DRAIN_POLL_S)
+    logger.warning(
+        "shutdown: %d request(s) still in flight after %.1fs, aborting them", pod.loop.num_in_flight, grace_s
+    )
+
+
+async def stop_when_the_engine_fails(pod: Pod, server: GrpcServer) -> None:
+    """A crashed engine thread cannot serve: stop (health goes NOT_SERVING, requests in flight end with
+    UNAVAILABLE) so the orchestrator replaces the pod instead of routing to it."""
+    while pod.loop.error is None:
+        await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+    logger.error("the engine loop crashed (%r); stopping the pod", pod.loop.error)
+    server.request_stop()
+
+
+async def run_pod(
+    role: KVRole | None,
+    args: argparse.Namespace,
+    pod_config: PodConfig,
+    *,
+    env: Mapping[str, str],
+    service_name: str,
+    services: Sequence[tuple[Callable, PodServicer, str]],
+) -> None:
+    """Serve (health NOT_SERVING) while the pod loads, then SERVING until SIGTERM/SIGINT. Then:
+    NOT_SERVING, refuse new work, let requests in flight finish (grace period), stop the pod."""
+    tracing = setup_tracing(
+        TracingConfig.from_flags_and_env(
+            env,
+            default_service_name=f"pdserve-{service_name}",
+            otlp_endpoint=args.otlp_endpoint,
+            sampling_ratio=args.otel_sampling_ratio,
+        )
+    )
+    # Load polls come every second from every router: tracing them would bury the request traces.
+    untraced = (*DEFAULT_UNTRACED_METHOD_PREFIXES, *(f"/{name}/GetLoad" for _, _, name in services))
+    server = GrpcServer(
+        ServerOptions(host=args.host, port=args.port, grace_seconds=args.grace_seconds),
+        interceptors=tracing.server_interceptors(untraced),
+    )
+    for add_to_server, servicer, name in services:
+        servicer.use_tracing(tracing)
+        server.add_service(add_to_server, servicer, name)
+    metrics_server = None
+    gauges = watcher = None
+    try:
+        port = await server.start()
+        if role is KVRole.PRODUCER and not pod_config.advertise_address:
+            pod_config = dataclasses.replace(pod_config, advertise_address=f"{args.host}:{port}")
+        pod = await asyncio.get_running_loop().run_in_executor(None, Pod, role, pod_config)
+        pod.loop.is_timing_requests = tracing.is_enabled  # the timelines only feed trace spans
+        pod.start()
+
+        async def shut_down() -> None:
+            for _, servicer, _ in services:
+                servicer.is_draining = True
+            await drain(pod, args.grace_seconds)
+            await pod.stop()
+            for _, servicer, _ in services:
+                await servicer.close()
+
+        server.on_shutdown(shut_down)
+        for _, servicer, _ in services:
+            servicer.attach(pod)
+        metrics = services[0][1].metrics
+        if args.metrics_port is not None:
+            metrics_server = start_metrics_server(metrics.registry, args.host, args.metrics_port)
+        gauges = asyncio.ensure_future(refresh_gauges(pod, metrics))
+        watcher = asyncio.ensure_future(stop_when_the_engine_fails(pod, server))
+        await server.set_serving(True)
+        print(f"{service_name} listening on {server.address} (engine {pod.engine_id})", flush=True)
+        if metrics_server is not None:
+            print(f"{service_name} metrics at {metrics_server.url}", flush=True)
+        await server.serve_forever()
+    finally:
+        await server.stop()
+        for task in (gauges, watcher):
+            if task is not None:
+                task.cancel()
+        if metrics_server is not None:
+            metrics_server.stop()
+        tracing.shutdown()

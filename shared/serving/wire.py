@@ -1,0 +1,69 @@
+"""The domain types that exist only to cross the wire between services: load reports, the KV source a
+prefill pod describes, and the validated Prefill/Decode payloads. Plain data, no proto: the router and
+the pods share them without loading the stubs' mapping or the NIXL transport."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.engine.kv_transfer.handle import KvHandle, KvLayout, KvPullStats, KvSource
+from shared.engine.request import FinishReason, SamplingParams
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """A pod's load as the router sees it."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_held_blocks: int = 0
+    is_overloaded: bool = False
+
+
+@dataclass(frozen=True)
+class PrefillKvSource:
+    """What GetKvSource answers: the engine incarnation, its KV layout, and the NIXL source to read from."""
+
+    engine_id: str
+    layout: KvLayout
+    source: KvSource
+
+
+@dataclass(frozen=True)
+class PrefillInput:
+    """A validated Prefill call."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What a prefill pod answers: token 1, and either a finish reason or a handle."""
+
+    first_token_id: int
+    num_prompt_tokens: int
+    finish_reason: FinishReason | None = None
+    handle: KvHandle | None = None
+
+
+@dataclass(frozen=True)
+class DecodeInput:
+    """A validated Decode call: continue from prompt + generated, pulling the prompt's KV if handle is set."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    generated_token_ids: list[int]
+    sampling: SamplingParams
+    handle: KvHandle | None = None
+
+
+@dataclass(frozen=True)
+class DecodeChunk:
+    """One streamed decode message."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    kv_pull: KvPullStats | None = None
