@@ -11,8 +11,9 @@ import torch
 
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.llm_engine import LLMEngine
+from shared.engine.kv_transfer.handoff import HoldForPeer
 from shared.engine.kv_transfer.connector import KVRole
-from shared.engine.kv_transfer.loopback import LoopbackConnector, LoopbackKVStore
+from loopback_connector import LoopbackConnector, LoopbackKVStore
 from shared.engine.model.model_config import ModelArchConfig, preset
 from shared.engine.model.loader import load_model, random_model, save_pretrained
 from shared.engine.request import FinishReason, Request, SamplingParams
@@ -178,12 +179,12 @@ def test_prefill_decode_handoff_reproduces_colocated_tokens(model_dir):
                                                                    ignore_eos=True))
     for i, prompt in enumerate(prompts):
         params = SamplingParams(max_tokens=1, temperature=0.7, seed=5, ignore_eos=True)
-        producer.add_request(Request(f"p{i}", prompt, params, None, kv_transfer_params={"do_remote_decode": True}))
+        producer.add_request(Request(f"p{i}", prompt, params, None, kv_transfer_params=HoldForPeer()))
     handles = {}
     while producer.has_unfinished_requests():
         for out in producer.step():
             if out.finished:
-                handles[out.request_id] = (out.new_token_ids[0], out.kv_transfer_params)
+                handles[out.request_id] = (out.new_token_ids[0], out.kv_handle)
     assert producer.kv_usage().num_held_blocks > 0
     for i, prompt in enumerate(prompts):
         first, handle = handles[f"p{i}"]

@@ -8,9 +8,10 @@ import dataclasses
 
 import pytest
 
-from shared.engine.kv_transfer.connector import KVRole
-from shared.engine.kv_transfer.handle import KvLayout, KvPullOutcome
-from shared.engine.kv_transfer.nixl_connector import DO_REMOTE_DECODE, REMOTE_HANDLE, NixlConnector
+from shared.engine.kv_transfer.handle import KvLayout, KvPullOutcome, KvSource
+from shared.engine.kv_transfer.handoff import HoldForPeer, PullFromPeer
+from shared.engine.kv_transfer.nixl_consumer import NixlConsumer
+from shared.engine.kv_transfer.nixl_producer import NixlProducer
 from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
 from shared.engine.request import Request, RequestStatus, SamplingParams
 
@@ -30,23 +31,32 @@ def clock():
     return Clock()
 
 
-def _connector(role: KVRole, clock: Clock, **kwargs) -> NixlConnector:
-    agent = KvTransferAgent(KvTransferAgent.unique_name("test"))
-    return NixlConnector(role, engine_id=f"{role.value}-1", layout=LAYOUT, agent=agent, clock=clock,
-                         source_address="127.0.0.1:1", **kwargs)
+SOURCE = KvSource("prefill-agent", b"", "DRAM", regions=(), block_bytes=1024, num_blocks=64)
+
+
+def _agent() -> KvTransferAgent:
+    return KvTransferAgent(KvTransferAgent.unique_name("test"))
+
+
+def _producer(clock: Clock, **kwargs) -> NixlProducer:
+    return NixlProducer(engine_id="kv_producer-1", layout=LAYOUT, agent=_agent(), clock=clock,
+                        source_address="127.0.0.1:1", **kwargs)
+
+
+def _consumer(clock: Clock) -> NixlConsumer:
+    return NixlConsumer(engine_id="kv_consumer-1", layout=LAYOUT, agent=_agent(), clock=clock)
 
 
 def _finished_prefill(status: RequestStatus, num_prompt_tokens: int = 40, do_remote_decode: bool = True) -> Request:
     request = Request("r1", list(range(3, 3 + num_prompt_tokens)), SamplingParams(max_tokens=1), eos_token_id=2,
-                      kv_transfer_params={DO_REMOTE_DECODE: do_remote_decode})
+                      kv_transfer_params=HoldForPeer() if do_remote_decode else None)
     request.status = status
     return request
 
 
 def test_producer_holds_only_the_prompt_blocks_of_a_handoff(clock):
-    connector = _connector(KVRole.PRODUCER, clock, lease_s=5.0)
-    delay, params = connector.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [7, 8, 9, 10])
-    handle = params[REMOTE_HANDLE]
+    connector = _producer(clock, lease_s=5.0)
+    delay, handle = connector.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [7, 8, 9, 10])
     assert delay is True
     assert handle.block_ids == (7, 8, 9)  # 40 tokens: 3 blocks; the 4th held token 1's slot only
     assert handle.num_tokens == 40
@@ -60,13 +70,13 @@ def test_producer_holds_only_the_prompt_blocks_of_a_handoff(clock):
      (RequestStatus.FINISHED_LENGTH_CAPPED, False)],
 )
 def test_producer_frees_at_once_when_no_decode_follows(clock, status, do_remote_decode):
-    connector = _connector(KVRole.PRODUCER, clock)
+    connector = _producer(clock)
     assert connector.request_finished(_finished_prefill(status, do_remote_decode=do_remote_decode), [1, 2, 3]) == (False, None)
     assert connector.num_held_blocks == 0
 
 
 def test_release_is_intact_only_within_the_lease_and_for_the_same_engine(clock):
-    connector = _connector(KVRole.PRODUCER, clock, lease_s=5.0)
+    connector = _producer(clock, lease_s=5.0)
     connector.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [1, 2, 3])
     assert connector.release("r1", "kv_producer-other") is False  # a restarted engine's id
     assert connector.num_held_blocks == 3
@@ -77,7 +87,7 @@ def test_release_is_intact_only_within_the_lease_and_for_the_same_engine(clock):
 
 
 def test_expired_lease_frees_the_hold_and_a_late_release_is_not_intact(clock):
-    connector = _connector(KVRole.PRODUCER, clock, lease_s=5.0)
+    connector = _producer(clock, lease_s=5.0)
     connector.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [1, 2, 3])
     assert connector.get_finished(set()) == (None, None)
     clock.now += 5.0
@@ -89,17 +99,17 @@ def test_expired_lease_frees_the_hold_and_a_late_release_is_not_intact(clock):
 def _decode_request(handle) -> Request:
     prompt = list(range(3, 3 + handle.num_tokens))
     return Request("r1", prompt + [99], SamplingParams(max_tokens=4), eos_token_id=2,
-                   kv_transfer_params={REMOTE_HANDLE: handle})
+                   kv_transfer_params=PullFromPeer(handle, SOURCE))
 
 
 def _handle(clock: Clock):
-    producer = _connector(KVRole.PRODUCER, clock, lease_s=5.0)
-    _, params = producer.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [1, 2, 3])
-    return params[REMOTE_HANDLE]
+    producer = _producer(clock, lease_s=5.0)
+    _, handle = producer.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [1, 2, 3])
+    return handle
 
 
 def test_consumer_pulls_the_tokens_beyond_its_prefix_cache(clock):
-    consumer = _connector(KVRole.CONSUMER, clock)
+    consumer = _consumer(clock)
     handle = _handle(clock)
     assert consumer.get_num_new_matched_tokens(_decode_request(handle), 16) == (24, True)
 
@@ -112,18 +122,15 @@ def test_consumer_pulls_the_tokens_beyond_its_prefix_cache(clock):
         (lambda clock, handle: setattr(clock, "now", clock.now + 6) or handle, KvPullOutcome.RECOMPUTED_LEASE_EXPIRED),
     ],
 )
-def test_consumer_recomputes_without_pulling_when_the_kv_cannot_be_used(clock, change, outcome):
-    consumer = _connector(KVRole.CONSUMER, clock)
-    released = []
-    consumer.release_remote = lambda handle, request_id: released.append(request_id)
-    handle = change(clock, _handle(clock))
-    assert consumer.get_num_new_matched_tokens(_decode_request(handle), 0) == (0, False)
-    assert consumer.pop_pull_stats("r1").outcome is outcome
-    assert released == ["r1"]  # the prefill pod's hold is ended at once
+def test_precheck_says_why_a_handle_cannot_be_pulled(clock, change, outcome):
+    consumer = _consumer(clock)
+    handle = _handle(clock)
+    assert consumer.pull_precheck(handle) is None
+    assert consumer.pull_precheck(change(clock, handle)) is outcome
 
 
 def test_consumer_with_the_whole_prompt_cached_reads_nothing(clock):
-    consumer = _connector(KVRole.CONSUMER, clock)
+    consumer = _consumer(clock)
     consumer.release_remote = lambda handle, request_id: None
     handle = _handle(clock)
     assert consumer.get_num_new_matched_tokens(_decode_request(handle), 48) == (0, False)

@@ -155,8 +155,7 @@ class LLMEngine:
         peer's pull, or connector transfers and notifications to drive."""
         if self.scheduler.has_finished_requests() or self.scheduler.num_held_requests:
             return True
-        has_pending = getattr(self.connector, "has_pending_work", None)
-        return bool(has_pending and has_pending())
+        return self.connector is not None and self.connector.has_pending_work()
 
     def kv_usage(self) -> KVCacheUsage:
         return self.scheduler.get_kv_usage()

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.engine.kv_transfer.handoff import KvTransferParams
 
 # Upper bounds that keep one request from monopolising a pod; beyond them a value is a mistake.
 MAX_TOP_K = 1 << 20
@@ -95,8 +99,6 @@ _FINISHED_REASONS = {
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
-# The Request class (the scheduler's per-request state) lives below; see the engine-core issue.
-
 
 @dataclass(frozen=True)
 class PlaceholderRange:
@@ -125,7 +127,7 @@ class Request:
         arrival_time: float = 0.0,
         mm_positions: list[PlaceholderRange] | None = None,
         mm_hashes: list[str] | None = None,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: KvTransferParams | None = None,
         cache_salt: str | None = None,
         structured_output_request=None,
     ) -> None:
@@ -200,6 +202,16 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self._output_token_ids.extend(token_ids)
         self._all_token_ids.extend(token_ids)
+
+    def append_output_token_id(self, token_id: int) -> None:
+        """One sampled token (the common decode step, kept cheap)."""
+        self._output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Tokens that end the request: EOS (unless ignored) and the stop tokens."""
+        return self._stop_ids
 
     def set_eos_token_id(self, eos_token_id: int | None) -> None:
         """Adopt the engine's EOS when the request was built without one."""

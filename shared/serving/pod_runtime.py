@@ -13,6 +13,8 @@ from shared.serving.engine_thread import EngineLoop, RequestStream
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
 from shared.engine.kv_transfer.handle import KvLayout
 from shared.engine.kv_transfer.nixl_connector import NixlConnector
+from shared.engine.kv_transfer.nixl_consumer import NixlConsumer
+from shared.engine.kv_transfer.nixl_producer import NixlProducer
 from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
 from shared.engine.model.loader import load_model
 from shared.engine.request import Request
@@ -76,15 +78,7 @@ class Pod:
             head_dim=model_config.head_dim,
             block_size=config.block_size,
         )
-        self.connector = None if role is None else NixlConnector(
-            role,
-            engine_id=self.engine_id,
-            layout=self.layout,
-            agent=KvTransferAgent(KvTransferAgent.unique_name(role.value)),
-            source_address=config.advertise_address,
-            lease_s=config.lease_s,
-            failure_policy=config.kv_load_failure_policy,
-        )
+        self.connector = None if role is None else self._make_connector(role, config)
         self.engine = LLMEngine(
             loaded,
             SchedulerConfig(
@@ -108,6 +102,19 @@ class Pod:
         self.vocab_size = model_config.vocab_size
         self.eos_token_id = self.engine.eos_token_id
         self.max_model_len = max_model_len
+
+    def _make_connector(self, role: KVRole, config: PodConfig) -> NixlConnector:
+        if role is KVRole.BOTH:
+            raise ValueError("a pod runs as kv_producer or kv_consumer, not kv_both")
+        common = dict(
+            engine_id=self.engine_id,
+            layout=self.layout,
+            agent=KvTransferAgent(KvTransferAgent.unique_name(role.value)),
+            load_failure_policy=config.kv_load_failure_policy,
+        )
+        if role is KVRole.PRODUCER:
+            return NixlProducer(source_address=config.advertise_address, lease_s=config.lease_s, **common)
+        return NixlConsumer(**common)
 
     def start(self) -> None:
         self.loop.start()

@@ -91,10 +91,10 @@ class KVCacheManager:
             return [], 0
         hashes = self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        cached = self.block_pool._cached
+        get_cached_block = self.block_pool.get_cached_block
         hits: list[KVCacheBlock] = []
         for block_hash in hashes[:max_blocks]:
-            block = cached.get(block_hash)
+            block = get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
@@ -136,7 +136,7 @@ class KVCacheManager:
         if num_new_blocks > 0 or num_hit_blocks:
             # Hits sitting in the free queue take free capacity too.
             num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if num_hit_blocks else 0
-            if max(num_new_blocks, 0) + num_revived > len(pool._free):
+            if max(num_new_blocks, 0) + num_revived > pool.get_num_free_blocks():
                 return None
             if num_hit_blocks:
                 pool.touch(new_computed_blocks)
@@ -202,6 +202,33 @@ class KVCacheManager:
 
     def get_num_cached_blocks(self, req_id: str) -> int:
         return self._num_cached.get(req_id, 0)
+
+    def get_num_common_prefix_blocks(self, req_ids: list[str]) -> int:
+        """Leading blocks of req_ids[0]'s table that every request in req_ids shares."""
+        if not req_ids:
+            return 0
+        blocks = self._blocks.get(req_ids[0], ())
+        num_requests = len(req_ids)
+        if len(self._blocks) == num_requests:
+            # Every block table belongs to one of req_ids, so a block's ref count is exactly the
+            # number of them holding it.
+            count = 0
+            for block in blocks:
+                if block.ref_cnt != num_requests:
+                    break
+                count += 1
+            return count
+        # Other holders (a request waiting for remote KV, blocks held for a peer) raise ref counts
+        # too: compare the tables themselves.
+        others = [self._blocks.get(req_id, ()) for req_id in req_ids[1:]]
+        count = 0
+        for index, block in enumerate(blocks):
+            if block.ref_cnt < num_requests:
+                break
+            if not all(len(table) > index and table[index] is block for table in others):
+                break
+            count += 1
+        return count
 
     def has_blocks(self, req_id: str) -> bool:
         return bool(self._blocks.get(req_id))
