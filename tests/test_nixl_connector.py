@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from shared.engine.kv_transfer.connector import KVConnectorBase, KVLoadFailurePolicy, KVRole
 from shared.engine.kv_transfer.handle import KvLayout, KvPullOutcome, KvSource
 from shared.engine.kv_transfer.handoff import HoldForPeer, PullFromPeer
 from shared.engine.kv_transfer.nixl_consumer import NixlConsumer
@@ -136,3 +137,80 @@ def test_consumer_with_the_whole_prompt_cached_reads_nothing(clock):
     assert consumer.get_num_new_matched_tokens(_decode_request(handle), 48) == (0, False)
     stats = consumer.pop_pull_stats("r1")
     assert stats.outcome is KvPullOutcome.PREFIX_CACHE_HIT and stats.num_cached_blocks == 3
+
+
+def test_the_base_contract_means_nothing_to_transfer():
+    connector = KVConnectorBase(KVRole.BOTH)
+    request = _finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED)
+    assert connector.load_failure_policy is KVLoadFailurePolicy.RECOMPUTE
+    assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert connector.request_finished(request, [1, 2, 3]) == (False, None)
+    assert connector.build_connector_meta(None).requests == []
+    assert connector.has_pending_work() is False
+    assert connector.get_finished(set()) == (None, None)
+    assert connector.get_block_ids_with_load_errors() == set()
+
+
+def test_handoff_params_are_immutable(clock):
+    params = PullFromPeer(_handle(clock), SOURCE)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.handle = None
+    assert HoldForPeer() == HoldForPeer()
+
+
+def test_each_side_acts_only_on_its_own_kind_of_params(clock):
+    producer, consumer = _producer(clock), _consumer(clock)
+    assert producer.role is KVRole.PRODUCER and consumer.role is KVRole.CONSUMER
+    pulling = _decode_request(_handle(clock))
+    pulling.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert producer.request_finished(pulling, [1, 2, 3]) == (False, None)  # a pull is not a hold
+    holding = _finished_prefill(RequestStatus.WAITING)
+    assert consumer.get_num_new_matched_tokens(holding, 0) == (0, False)  # a hold is not a pull
+    assert consumer.request_finished(holding, [1, 2, 3]) == (False, None)
+
+
+def test_producer_has_pending_work_while_a_hold_is_open_or_unreported(clock):
+    producer = _producer(clock, lease_s=5.0)
+    assert producer.has_pending_work() is False
+    producer.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [1, 2, 3])
+    assert producer.has_pending_work() is True
+    assert producer.release("r1", "kv_producer-1") is True
+    assert producer.has_pending_work() is True  # released, but the scheduler has not freed the blocks yet
+    assert producer.get_finished(set()) == ({"r1"}, None)
+    assert producer.has_pending_work() is False
+
+
+def test_consumer_pull_is_planned_for_the_missing_blocks_only(clock):
+    consumer = _consumer(clock)
+    handle = _handle(clock)
+    request = _decode_request(handle)
+    assert consumer.get_num_new_matched_tokens(request, 16) == (24, True)
+    consumer.update_state_after_alloc(request, [10, 11, 12, 13], 24)
+    [pull] = consumer.build_connector_meta(None).requests
+    assert (pull.local_block_ids, pull.remote_block_ids, pull.num_cached_blocks) == ([11, 12], [2, 3], 1)
+    assert consumer.build_connector_meta(None).requests == []  # handed over once
+    # One attempt per request: asked again (a resumed request), it recomputes.
+    assert consumer.get_num_new_matched_tokens(request, 0) == (0, False)
+
+
+def test_consumer_has_pending_work_until_a_confirmation_is_applied(clock):
+    consumer = _consumer(clock)
+    assert consumer.has_pending_work() is False
+    consumer.on_release_result("r1", True)  # from the gRPC side
+    assert consumer.has_pending_work() is True
+    assert consumer.get_finished(set()) == (None, None)  # no pull of that id: nothing lands
+    assert consumer.has_pending_work() is False
+
+
+@pytest.mark.parametrize(
+    "fields,needle",
+    [
+        (dict(block_size=0), "block_size must be > 0"),
+        (dict(block_size=8), "differs from handle.layout.block_size"),
+        (dict(num_tokens=0, block_ids=()), "num_tokens must be > 0"),
+        (dict(block_ids=(1, 2)), "need 3"),
+    ],
+)
+def test_a_handle_of_the_wrong_shape_cannot_be_built(clock, fields, needle):
+    with pytest.raises(ValueError, match=needle):
+        dataclasses.replace(_handle(clock), **fields)

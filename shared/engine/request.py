@@ -203,15 +203,39 @@ class Request:
         self._output_token_ids.extend(token_ids)
         self._all_token_ids.extend(token_ids)
 
-    def append_output_token_id(self, token_id: int) -> None:
-        """One sampled token (the common decode step, kept cheap)."""
-        self._output_token_ids.append(token_id)
-        self._all_token_ids.append(token_id)
+    def append_sampled_token_ids(self, sampled: list[int], max_model_len: int) -> list[int]:
+        """Append sampled tokens up to the first stop (a stop token, max_tokens or the model length),
+        set the finished status if one was reached, and return the tokens kept."""
+        output, all_ids, stop_ids = self._output_token_ids, self._all_token_ids, self._stop_ids
+        if len(sampled) == 1:  # the common decode step, kept cheap
+            token = sampled[0]
+            output.append(token)
+            all_ids.append(token)
+            if token in stop_ids:
+                self._set_stopped(token)
+            elif len(output) >= self.max_tokens or len(all_ids) >= max_model_len:
+                self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return sampled
+        kept = []
+        for token in sampled:
+            output.append(token)
+            all_ids.append(token)
+            kept.append(token)
+            if token in stop_ids:
+                self._set_stopped(token)
+                break
+            if len(output) >= self.max_tokens or len(all_ids) >= max_model_len:
+                self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                break
+        return kept
 
-    @property
-    def stop_ids(self) -> frozenset[int]:
-        """Tokens that end the request: EOS (unless ignored) and the stop tokens."""
-        return self._stop_ids
+    def _set_stopped(self, token: int) -> None:
+        self.status = RequestStatus.FINISHED_STOPPED
+        # EOS is the natural end: no stop reason. A stop token is reported as the reason.
+        if token == self.eos_token_id and not self.sampling_params.ignore_eos:
+            self.stop_reason = None
+        else:
+            self.stop_reason = token
 
     def set_eos_token_id(self, eos_token_id: int | None) -> None:
         """Adopt the engine's EOS when the request was built without one."""

@@ -131,9 +131,9 @@ class KVCacheManager:
             num_slots = self.max_model_len
         num_hit_blocks = len(new_computed_blocks) if new_computed_blocks else 0
         num_new_blocks = -(-num_slots // self.block_size) - len(req_blocks) - num_hit_blocks
-        pool = self.block_pool
         new_block_ids: list[int] = []
         if num_new_blocks > 0 or num_hit_blocks:
+            pool = self.block_pool
             # Hits sitting in the free queue take free capacity too.
             num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if num_hit_blocks else 0
             if max(num_new_blocks, 0) + num_revived > pool.get_num_free_blocks():
@@ -146,10 +146,11 @@ class KVCacheManager:
                 new_blocks = pool.get_new_blocks(num_new_blocks)
                 req_blocks.extend(new_blocks)
                 new_block_ids = [b.block_id for b in new_blocks]
-        if self.enable_caching and not delay_cache_blocks and not request.skips_prefix_cache:
+        if self.enable_caching and not delay_cache_blocks:
             num_known = num_computed + num_new_tokens
-            if num_known > len(request.all_token_ids):
-                num_known = len(request.all_token_ids)
+            if num_known > request.num_tokens:
+                num_known = request.num_tokens
+            # cache_blocks() leaves out a request that skips the prefix cache.
             if num_known // self.block_size > self._num_cached[req_id]:
                 self.cache_blocks(request, num_known)
         return new_block_ids
@@ -203,15 +204,15 @@ class KVCacheManager:
     def get_num_cached_blocks(self, req_id: str) -> int:
         return self._num_cached.get(req_id, 0)
 
-    def get_num_common_prefix_blocks(self, req_ids: list[str]) -> int:
-        """Leading blocks of req_ids[0]'s table that every request in req_ids shares."""
-        if not req_ids:
+    def get_num_common_prefix_blocks(self, requests: list[Request]) -> int:
+        """Leading blocks of requests[0]'s table that every one of requests shares."""
+        if not requests:
             return 0
-        blocks = self._blocks.get(req_ids[0], ())
-        num_requests = len(req_ids)
+        blocks = self._blocks.get(requests[0].request_id, ())
+        num_requests = len(requests)
         if len(self._blocks) == num_requests:
-            # Every block table belongs to one of req_ids, so a block's ref count is exactly the
-            # number of them holding it.
+            # Every block table belongs to one of the requests, so a block's ref count is exactly
+            # the number of them holding it.
             count = 0
             for block in blocks:
                 if block.ref_cnt != num_requests:
@@ -220,7 +221,7 @@ class KVCacheManager:
             return count
         # Other holders (a request waiting for remote KV, blocks held for a peer) raise ref counts
         # too: compare the tables themselves.
-        others = [self._blocks.get(req_id, ()) for req_id in req_ids[1:]]
+        others = [self._blocks.get(request.request_id, ()) for request in requests[1:]]
         count = 0
         for index, block in enumerate(blocks):
             if block.ref_cnt < num_requests:

@@ -9,8 +9,8 @@ Usage (one per engine):
         runner_out = runner.execute(out)                 # ModelRunnerOutput (+ KVConnectorOutput)
         eco = scheduler.update_from_output(out, runner_out)  # EngineCoreOutputs: tokens, finishes
 Several steps may be in flight: schedule() again before the older output is applied.
-Collaborators: the KV-cache manager (blocks), RemoteKvTracker (KV crossing engines), EncoderBudget
-(multimodal inputs per step) and stop.py (stop conditions).
+Collaborators: the KV-cache manager (blocks), RemoteKvTracker (KV crossing engines) and
+EncoderBudget (multimodal inputs per step); a Request applies its own stop conditions.
 """
 from __future__ import annotations
 
@@ -35,7 +35,6 @@ from shared.engine.sched.output import (
 )
 from shared.engine.sched.remote_kv import RemoteKvTracker
 from shared.engine.sched.stats import SchedulerStats, SpecDecodingStats
-from shared.engine.sched.stop import append_and_check_stop
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.structured_output import StructuredOutputManager
 
@@ -215,6 +214,10 @@ class Scheduler:
         threshold = self.scheduler_config.long_prefill_token_threshold
         max_model_len = self.max_model_len
         allocate = self.kv_cache_manager.allocate_slots
+        commit = self._commit
+        add_cached_id = plan.cached_ids.append
+        add_cached_blocks = plan.cached_new_blocks.append
+        add_cached_computed = plan.cached_computed.append
         running = self.running
         index = 0
         while index < len(running) and plan.token_budget > 0:
@@ -229,7 +232,10 @@ class Scheduler:
             num_new = request.num_tokens_with_spec + request.num_output_placeholders - num_computed
             if 0 < threshold < num_new:
                 num_new = threshold
-            num_new = min(num_new, plan.token_budget, max_model_len - num_computed)
+            if num_new > plan.token_budget:
+                num_new = plan.token_budget
+            if num_new > max_model_len - num_computed:
+                num_new = max_model_len - num_computed
             encoder_indices = None
             if request.mm_positions and num_new > 0:
                 num_new, encoder_indices = plan.encoder_budget.schedule(request, num_computed, num_new)
@@ -246,11 +252,11 @@ class Scheduler:
                     break
             if new_block_ids is None:
                 break
-            plan.cached_ids.append(request.request_id)
-            plan.cached_new_blocks.append(new_block_ids or None)
-            plan.cached_computed.append(num_computed)
+            add_cached_id(request.request_id)
+            add_cached_blocks(new_block_ids or None)
+            add_cached_computed(num_computed)
             num_spec = self._take_spec_tokens(plan, request, num_computed, num_new) if request.spec_token_ids else 0
-            self._commit(plan, request, num_computed, num_new, encoder_indices, num_spec)
+            commit(plan, request, num_computed, num_new, encoder_indices, num_spec)
 
     def _take_spec_tokens(self, plan: _StepPlan, request: Request, num_computed: int, num_new: int) -> int:
         """Move the draft tokens this step verifies into the plan; their count."""
@@ -391,9 +397,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_scheduled_tokens - plan.token_budget,
             scheduled_spec_decode_tokens=plan.spec_decode_tokens,
             scheduled_encoder_inputs=plan.encoder_inputs,
-            num_common_prefix_blocks=[
-                self.kv_cache_manager.get_num_common_prefix_blocks([r.request_id for r in self.running])
-            ],
+            num_common_prefix_blocks=[self.kv_cache_manager.get_num_common_prefix_blocks(self.running)],
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=self._preempted_req_ids,
         )
@@ -479,7 +483,7 @@ class Scheduler:
                     request.num_output_placeholders = left if left > 0 else 0
                     if request.num_in_flight_samples:
                         request.num_in_flight_samples -= 1
-                new_tokens = append_and_check_stop(request, sampled, max_model_len)
+                new_tokens = request.append_sampled_token_ids(sampled, max_model_len)
                 if new_tokens and request.structured_output_request is not None and so_manager.should_advance(
                     request
                 ):
@@ -522,7 +526,7 @@ class Scheduler:
         if request.drop_stale_output or not sampled:
             return
         # Deliver losslessly: the request recomputes from its tokens, these included.
-        new_tokens = append_and_check_stop(request, sampled, self.max_model_len)
+        new_tokens = request.append_sampled_token_ids(sampled, self.max_model_len)
         if request.is_finished():
             self.waiting.remove(request)
             finished_now.add(request.request_id)
@@ -605,7 +609,7 @@ class Scheduler:
             num_waiting_reqs=len(self.waiting),
             num_waiting_for_remote_kv_reqs=num_remote,
             num_held_reqs=self.remote_kv.num_held_requests,
-            num_held_blocks=self.remote_kv.num_held_blocks,
+            num_held_blocks=self.remote_kv.num_held_blocks if self.remote_kv.num_held_requests else 0,
             kv_cache_usage=usage.usage,
             num_free_blocks=usage.num_free_blocks,
             num_total_blocks=usage.num_total_blocks,
