@@ -4,6 +4,7 @@ This is the contract between deciding (scheduler) and executing (runner): no tor
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,7 @@ class CachedRequestData:
     req_ids: list[str]
     # Token ids the runner has not seen yet (non-empty only when the runner cannot know them,
     # e.g. tokens appended by the scheduler itself); the runner tracks its own sampled tokens.
-    new_token_ids: list[list[int]]
+    new_token_ids: list[Sequence[int]]
     new_block_ids: list[list[int] | None]  # blocks appended to the block table this step
     num_computed_tokens: list[int]
 

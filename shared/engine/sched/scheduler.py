@@ -386,7 +386,7 @@ class Scheduler:
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
         cached = CachedRequestData(
             req_ids=plan.cached_ids,
-            new_token_ids=[[] for _ in plan.cached_ids],
+            new_token_ids=[()] * len(plan.cached_ids),  # the runner tracks the tokens it sampled
             new_block_ids=plan.cached_new_blocks,
             num_computed_tokens=plan.cached_computed,
         )
