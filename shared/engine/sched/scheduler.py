@@ -285,6 +285,7 @@ class Scheduler:
             waiting.extendleft(reversed(skipped))
 
     def _is_ready(self, request: Request) -> bool:
+        """Whether a waiting request may be admitted now (the waiting pass steps over it if not)."""
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not self.remote_kv.promote(request):
             return False
         # Stale output still to deliver (resuming now would resample those positions), or a
@@ -297,20 +298,14 @@ class Scheduler:
         """Give one waiting request its blocks: True when it runs this step, False when it waits for
         its KV to load, None when it does not fit (the waiting pass stops there)."""
         kv = self.kv_cache_manager
-        connector = self.connector
         threshold = self.scheduler_config.long_prefill_token_threshold
         req_id = request.request_id
-        hit_blocks = None
-        num_local = num_external = 0
-        load_async = False
-        if not kv.has_blocks(req_id):
-            hit_blocks, num_local = kv.get_computed_blocks(request)
-            if connector is not None:
-                matched, load_async = connector.get_num_new_matched_tokens(request, num_local)
-                num_external = matched or 0
-            num_computed = num_local + num_external
-        else:
+        if kv.has_blocks(req_id):  # its remote KV landed
+            hit_blocks, num_local, num_external, load_async = None, 0, 0, False
             num_computed = request.num_computed_tokens
+        else:
+            hit_blocks, num_local, num_external, load_async = self._find_computed_tokens(request)
+            num_computed = num_local + num_external
         encoder_indices = None
         if load_async and num_external > 0:
             num_new = 0
@@ -342,8 +337,8 @@ class Scheduler:
         )
         if new_block_ids is None:
             return None
-        if connector is not None:
-            connector.update_state_after_alloc(request, kv.get_block_ids(req_id), num_external)
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(request, kv.get_block_ids(req_id), num_external)
         if load_async:
             self.remote_kv.start_load(request, num_computed)
             return False
@@ -361,6 +356,15 @@ class Scheduler:
         )
         self._commit(plan, request, num_computed, num_new, encoder_indices, 0)
         return True
+
+    def _find_computed_tokens(self, request: Request) -> tuple[list | None, int, int, bool]:
+        """(prefix-cache hit blocks, the tokens they hold, tokens the connector can add beyond them,
+        whether those load asynchronously)."""
+        hit_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
+        if self.connector is None:
+            return hit_blocks, num_local, 0, False
+        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+        return hit_blocks, num_local, num_external or 0, load_async
 
     def _commit(
         self,
@@ -453,7 +457,6 @@ class Scheduler:
         spec_stats: SpecDecodingStats | None = None
         requests = self.requests
         max_model_len = self.max_model_len
-        so_manager = self.structured_output_manager
 
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(req_id)
@@ -473,23 +476,15 @@ class Scheduler:
                 drafts = spec_scheduled.get(req_id) if spec_scheduled else None
                 num_drafts = len(drafts) if drafts else 0
                 if num_drafts:
-                    num_accepted = len(sampled) - 1
-                    request.num_computed_tokens -= num_drafts - num_accepted
-                    if spec_stats is None:
-                        spec_stats = SpecDecodingStats.new(self.num_spec_tokens)
-                    spec_stats.observe_draft(num_drafts, num_accepted)
+                    spec_stats = self._accept_drafts(request, num_drafts, len(sampled) - 1, spec_stats)
                 if request.num_output_placeholders:
                     left = request.num_output_placeholders - 1 - num_drafts
                     request.num_output_placeholders = left if left > 0 else 0
                     if request.num_in_flight_samples:
                         request.num_in_flight_samples -= 1
                 new_tokens = request.append_sampled_token_ids(sampled, max_model_len)
-                if new_tokens and request.structured_output_request is not None and so_manager.should_advance(
-                    request
-                ):
-                    if not request.structured_output_request.grammar.accept_tokens(req_id, new_tokens):
-                        request.status = RequestStatus.FINISHED_ERROR
-                        request.resumable = False
+                if new_tokens and request.structured_output_request is not None:
+                    self._advance_grammar(request, new_tokens)
             if spec_all is not None and index is not None and not self.is_async:
                 request.spec_token_ids = list(spec_all[index] or ())
             plp = prompt_logprobs.get(req_id) if prompt_logprobs else None
@@ -511,6 +506,24 @@ class Scheduler:
             self.remote_kv.apply_connector_output(kv_output, self.requests)
         stats = self.make_stats(spec_stats) if self.log_stats else None
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, finished_requests=finished_now)
+
+    def _accept_drafts(
+        self, request: Request, num_drafts: int, num_accepted: int, spec_stats: SpecDecodingStats | None
+    ) -> SpecDecodingStats:
+        """Rejected drafts were computed for nothing: their positions are computed again."""
+        request.num_computed_tokens -= num_drafts - num_accepted
+        if spec_stats is None:
+            spec_stats = SpecDecodingStats.new(self.num_spec_tokens)
+        spec_stats.observe_draft(num_drafts, num_accepted)
+        return spec_stats
+
+    def _advance_grammar(self, request: Request, new_tokens: list[int]) -> None:
+        """A grammar that rejects the sampled tokens ends the request with an error."""
+        if not self.structured_output_manager.should_advance(request):
+            return
+        if not request.structured_output_request.grammar.accept_tokens(request.request_id, new_tokens):
+            request.status = RequestStatus.FINISHED_ERROR
+            request.resumable = False
 
     def _apply_stale_output(
         self,
