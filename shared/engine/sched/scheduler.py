@@ -513,7 +513,7 @@ class Scheduler:
         """Rejected drafts were computed for nothing: their positions are computed again."""
         request.num_computed_tokens -= num_drafts - num_accepted
         if spec_stats is None:
-            spec_stats = SpecDecodingStats.new(self.num_spec_tokens)
+            spec_stats = SpecDecodingStats()
         spec_stats.observe_draft(num_drafts, num_accepted)
         return spec_stats
 
@@ -613,19 +613,10 @@ class Scheduler:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def make_stats(self, spec_decoding_stats: SpecDecodingStats | None = None) -> SchedulerStats:
-        usage = self.kv_cache_manager.get_usage()
-        num_remote = sum(1 for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS) if (
-            self.connector is not None
-        ) else 0
         stats = SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
-            num_waiting_for_remote_kv_reqs=num_remote,
-            num_held_reqs=self.remote_kv.num_held_requests,
-            num_held_blocks=self.remote_kv.num_held_blocks if self.remote_kv.num_held_requests else 0,
-            kv_cache_usage=usage.usage,
-            num_free_blocks=usage.num_free_blocks,
-            num_total_blocks=usage.num_total_blocks,
+            kv_cache_usage=self.kv_cache_manager.get_usage().usage,
             num_preemptions=self._num_preemptions,
             prefix_cache_stats=self.kv_cache_manager.take_prefix_cache_stats(),
             spec_decoding_stats=spec_decoding_stats,
