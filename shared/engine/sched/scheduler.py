@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from shared.engine.kv_cache.manager import KVCacheManager, KVCacheUsage
 from shared.engine.kv_transfer.connector import KVConnectorBase, KVLoadFailurePolicy
@@ -43,20 +42,26 @@ _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 
 
-@dataclass(slots=True)
 class _StepPlan:
-    """One schedule() call's decisions as the running and waiting passes accumulate them."""
+    """One schedule() call's decisions as the running and waiting passes accumulate them
+    (a plain slotted class: it is built every step)."""
 
-    token_budget: int
-    encoder_budget: EncoderBudget
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
-    new_reqs: list[NewRequestData] = field(default_factory=list)
-    cached_ids: list[str] = field(default_factory=list)
-    cached_new_blocks: list[list[int] | None] = field(default_factory=list)
-    cached_computed: list[int] = field(default_factory=list)
-    preempted: bool = False
+    __slots__ = (
+        "token_budget", "encoder_budget", "num_scheduled_tokens", "spec_decode_tokens", "encoder_inputs",
+        "new_reqs", "cached_ids", "cached_new_blocks", "cached_computed", "preempted",
+    )
+
+    def __init__(self, token_budget: int, encoder_budget: EncoderBudget) -> None:
+        self.token_budget = token_budget
+        self.encoder_budget = encoder_budget
+        self.num_scheduled_tokens: dict[str, int] = {}
+        self.spec_decode_tokens: dict[str, list[int]] = {}
+        self.encoder_inputs: dict[str, list[int]] = {}
+        self.new_reqs: list[NewRequestData] = []
+        self.cached_ids: list[str] = []
+        self.cached_new_blocks: list[list[int] | None] = []
+        self.cached_computed: list[int] = []
+        self.preempted = False
 
 
 class Scheduler:
