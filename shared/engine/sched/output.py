@@ -89,7 +89,6 @@ class ModelRunnerOutput:
     kv_connector_output: KVConnectorOutput | None = None
 
 
-
 @dataclass(slots=True)
 class EngineCoreOutput:
     """What one request produced in one step, for the engine to stream."""
