@@ -19,6 +19,7 @@ from shared.serving.text import TextCodec
 from router.workers import WorkerPool
 from shared.serving import convert, wire
 from shared.engine.request import FinishReason, SamplingParams
+from shared.serving.outcomes import CANCELLED, ERROR, OK, outcome_of_code
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         # Pods key holds by request id, and two clients may pick the same one: suffix it downstream.
         pod_request_id = f"{request_id}.{uuid.uuid4().hex[:8]}" if request.request_id else request_id
         start = time.monotonic()
-        outcome = "error"
+        outcome = ERROR
         try:
             prompt_ids, sampling = self._validate(request)
             # The server span (from the tracing interceptor, when on) is current here.
@@ -110,12 +111,12 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             text = self._codec.stream() if self._codec is not None else None
             async for chunk in self._route(request_id, pod_request_id, prompt_ids, sampling, deadline, text, start):
                 yield chunk
-            outcome = "ok"
+            outcome = OK
         except RouteError as exc:
-            outcome = exc.code.name.lower()
+            outcome = outcome_of_code(exc.code)
             await context.abort(exc.code, exc.message)
         except asyncio.CancelledError:
-            outcome = "cancelled"
+            outcome = CANCELLED
             raise
         finally:
             if self._metrics is not None:

@@ -156,7 +156,7 @@ def test_invalid_requests_are_counted_as_invalid(cluster):
         _decode(cluster, "bad-decode", [1, 2, 3], VOCAB_SIZE + 5, None, max_tokens=4)
     assert bad_decode.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     after = _scrape_all(cluster)
-    assert _moved(before, after, "router", "pdserve_router_requests_total", outcome="invalid_argument") == 1
+    assert _moved(before, after, "router", "pdserve_router_requests_total", outcome="invalid") == 1
     for pod in ("prefill-0", "decode-0"):
         assert _moved(before, after, pod, "pdserve_requests_total", outcome="invalid") == 1
         assert _moved(before, after, pod, "pdserve_requests_total", outcome="ok") == 0

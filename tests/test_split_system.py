@@ -268,7 +268,7 @@ def test_policy_fail_ends_the_request_with_a_clear_status_instead_of_recomputing
         )
         with grpc.insecure_channel(strict.address) as channel, pytest.raises(grpc.RpcError) as error:
             list(decode_pb2_grpc.DecodeServiceStub(channel).Decode(request, timeout=30))
-        assert error.value.code() == grpc.StatusCode.ABORTED
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "recomputed_lease_expired" in error.value.details() and "'fail'" in error.value.details()
         with grpc.insecure_channel(strict.address) as channel:
             load = decode_pb2_grpc.DecodeServiceStub(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=5).load

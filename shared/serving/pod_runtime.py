@@ -16,10 +16,7 @@ from shared.engine.kv_transfer.nixl_connector import NixlConnector
 from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
 from shared.engine.model.loader import load_model
 from shared.engine.request import Request
-
-
-class PodOverloaded(RuntimeError):
-    """The pod already has as many requests in flight as it admits."""
+from shared.serving.outcomes import InvalidRequest, PodOverloaded
 
 
 @dataclass(frozen=True)
@@ -121,9 +118,9 @@ class Pod:
             self.connector.shutdown()
 
     def check_prompt_fits(self, num_tokens: int) -> None:
-        """ValueError unless num_tokens leaves room for at least one more token."""
+        """InvalidRequest unless num_tokens leaves room for at least one more token."""
         if num_tokens >= self.max_model_len:
-            raise ValueError(
+            raise InvalidRequest(
                 f"the prompt has {num_tokens} tokens; the model's maximum length is {self.max_model_len}, "
                 "which leaves no room for output"
             )

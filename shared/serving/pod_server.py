@@ -12,11 +12,12 @@ from typing import Any, Callable, Mapping, Sequence
 import grpc
 from opentelemetry import context as otel_context
 
-from shared.serving.engine_thread import EngineStopped, RequestTimeline
+from shared.serving.engine_thread import RequestTimeline
 from shared.serving.grpc_server import GrpcServer, ServerOptions
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
 from shared.serving.metrics import ServiceMetrics, start_metrics_server
-from shared.serving.pod_runtime import Pod, PodConfig, PodOverloaded
+from shared.serving.pod_call import PodCall
+from shared.serving.pod_runtime import Pod, PodConfig
 from shared.serving.telemetry import (
     DEFAULT_UNTRACED_METHOD_PREFIXES, SpanAttr, Tracing, TracingConfig, record_span, setup_tracing,
 )
@@ -95,30 +96,6 @@ async def refresh_gauges(pod: Pod, metrics: ServiceMetrics) -> None:
         await asyncio.sleep(GAUGE_INTERVAL_S)
 
 
-# What Pod.submit raises when it does not admit a request.
-ADMISSION_ERRORS = (PodOverloaded, EngineStopped, ValueError)
-
-
-def admission_status(error: Exception) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status and the metrics outcome for a request the pod did not admit."""
-    if isinstance(error, PodOverloaded):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded"
-    if isinstance(error, EngineStopped):
-        return grpc.StatusCode.UNAVAILABLE, "error"
-    return grpc.StatusCode.ALREADY_EXISTS, "invalid"  # its request id is already in flight
-
-
-# What a request's output stream raises when the engine cannot finish it.
-STREAM_ERRORS = (EngineStopped, ValueError)
-
-
-def stream_status(error: Exception) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status and the metrics outcome for a request whose stream broke off."""
-    if isinstance(error, EngineStopped):
-        return grpc.StatusCode.UNAVAILABLE, "error"
-    return grpc.StatusCode.INVALID_ARGUMENT, "invalid"  # the engine refused the request
-
-
 class PodServicer:
     """Base of the pod servicers: registered before the model loads, attached to the pod once ready.
     Holds the service's tracing (a disabled one until run_pod hands the real one over)."""
@@ -131,15 +108,6 @@ class PodServicer:
     def use_tracing(self, tracing: Tracing) -> None:
         """Called before the server starts (client channels made later carry its interceptors)."""
         self.tracing = tracing
-
-    def record_finish(self, span, num_tokens: int, reason, first_token_at: float | None) -> None:
-        """Token count, finish reason and TPOT (histogram and span attribute) of a finished stream."""
-        span.set_attribute(SpanAttr.NUM_OUTPUT_TOKENS, num_tokens)
-        span.set_attribute(SpanAttr.FINISH_REASON, reason.value)
-        if num_tokens > 1 and first_token_at is not None:
-            tpot_s = (time.monotonic() - first_token_at) / (num_tokens - 1)
-            self.metrics.tpot_seconds.observe(tpot_s)
-            span.set_attribute(SpanAttr.TPOT_S, tpot_s)
 
     def attach(self, pod: Pod) -> None:
         self.pod = pod
@@ -157,6 +125,11 @@ class PodServicer:
         if self.is_draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the pod is shutting down")
         return await self.require_pod(context)
+
+    async def start_call(self, context, tier: str | None) -> PodCall:
+        """Admit a call that starts new work; use the result as `async with`."""
+        await self.admit(context)
+        return PodCall(self, context, tier)
 
     # ---- tracing helpers (all no-ops when tracing is off) -------------------------------------
     def trace_parent(self) -> otel_context.Context | None:
