@@ -3,18 +3,16 @@ statuses) with prefill and decode run by a single engine, no KV handoff."""
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 
 import grpc
-from opentelemetry import trace
 
 from proto.pdserve.v1 import generate_pb2_grpc
 from shared.serving import convert
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.outcomes import InvalidRequest, PodUnavailable, invalid_on_value_error
 from shared.serving.pod_server import PodServicer
-from shared.engine.request import FinishReason, Request, SamplingParams
+from shared.engine.request import Request, SamplingParams
 from shared.serving.telemetry import SpanAttr
 from shared.serving.text import TextStream
 

@@ -18,6 +18,8 @@ from shared.serving.metrics import ServiceMetrics
 from shared.serving.pod_runtime import Pod, PodConfig, serving_cache_config, serving_scheduler_config
 from shared.engine.request import FinishReason, SamplingParams
 
+pytestmark = pytest.mark.e2e
+
 SERVICE = "pdserve.v1.GenerateService"
 NUM_BLOCKS = 128
 MAX_MODEL_LEN = 512

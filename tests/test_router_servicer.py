@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 LAYOUT = convert.KvLayout("fake", "float32", 1, 1, 4, 4)
 EOS = 999
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 
 
 def next_token(token_id: int) -> int:

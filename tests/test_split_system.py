@@ -30,29 +30,20 @@ from shared.serving import convert
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import FinishReason, SamplingParams
+from split_cluster import BLOCK_SIZE, BYTES_PER_BLOCK, LEASE_S, MODEL_ARGS, NUM_BLOCKS
 
-BLOCK_SIZE = 16
-LEASE_S = 3.0
-MODEL_ARGS = ["--model", "tiny", "--seed", "0", "--block-size", str(BLOCK_SIZE), "--num-blocks", "512"]
-# tiny: hidden 256, 4 layers, 4 KV heads of 32 dims, float32 -> K and V of one block, all layers.
-BYTES_PER_BLOCK = 4 * 2 * BLOCK_SIZE * 4 * 32 * 4
+pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with LocalCluster.start(
-        pod_args=MODEL_ARGS,
-        prefill_args=["--lease-s", str(LEASE_S)],
-        with_metrics=True,
-        log_dir=tmp_path_factory.mktemp("logs"),
-    ) as running:
-        yield running
+@pytest.fixture
+def cluster(split_cluster):
+    return split_cluster
 
 
 @pytest.fixture(scope="module")
 def reference():
     """The single-process engine on the same weights."""
-    return LLMEngine("tiny", SchedulerConfig(max_model_len=2048), CacheConfig(block_size=BLOCK_SIZE, num_blocks=512))
+    return LLMEngine("tiny", SchedulerConfig(max_model_len=2048), CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS))
 
 
 def _prompts(num: int, seed: int) -> list[list[int]]:
