@@ -216,6 +216,25 @@ def test_cancelled_stream_frees_blocks_on_both_pods(cluster):
     _assert_all_blocks_free(cluster)
 
 
+def test_a_request_id_already_in_flight_gets_already_exists(cluster):
+    # No handle: the decode pod computes the prompt itself and streams many tokens, so the first call
+    # is still in flight when the second, with the same id, arrives.
+    sampling = convert.sampling_params_to_proto(SamplingParams(max_tokens=1000, ignore_eos=True))
+    request = decode_pb2.DecodeRequest(
+        request_id="twice", prompt_token_ids=[5, 6, 7], generated_token_ids=[8], sampling=sampling
+    )
+    with grpc.insecure_channel(cluster.by_name("decode-0").address) as channel:
+        stub = decode_pb2_grpc.DecodeServiceStub(channel)
+        first = stub.Decode(request, timeout=60)
+        next(first)
+        with pytest.raises(grpc.RpcError) as second:
+            list(stub.Decode(request, timeout=30))
+        first.cancel()
+    assert second.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "already in flight" in second.value.details()
+    _assert_all_blocks_free(cluster)
+
+
 @pytest.mark.parametrize(
     "prompt,sampling,message",
     [

@@ -33,12 +33,12 @@ ENGINE_WATCH_INTERVAL_S = 0.5
 DRAIN_POLL_S = 0.02
 
 
-def add_pod_flags(
-    parser: argparse.ArgumentParser, *, default_port: int, role: KVRole | None
-) -> None:
+def add_pod_flags(parser: argparse.ArgumentParser, *, default_port: int, role: KVRole | None) -> None:
     """The server flags every pod has, then one flag per PodConfig setting of the pod's role."""
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=default_port, help=f"gRPC port (0 = any free; default {default_port})")
+    parser.add_argument(
+        "--port", type=int, default=default_port, help=f"gRPC port (0 = any free; default {default_port})"
+    )
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = any free; off if unset)")
     parser.add_argument("--otlp-endpoint", default=None, help="OTLP/gRPC trace endpoint, e.g. http://127.0.0.1:4317")
     parser.add_argument("--otel-sampling-ratio", type=float, default=None, help="trace sampling ratio in [0, 1]")
