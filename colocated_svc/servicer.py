@@ -10,7 +10,7 @@ import grpc
 from proto.pdserve.v1 import generate_pb2_grpc
 from shared.serving import convert
 from shared.serving.metrics import ServiceMetrics
-from shared.serving.outcomes import InvalidRequest, PodUnavailable, invalid_on_value_error
+from shared.serving.outcomes import PodUnavailable, invalid_on_value_error
 from shared.serving.pod_server import PodServicer
 from shared.engine.request import Request, SamplingParams
 from shared.serving.telemetry import SpanAttr
@@ -67,19 +67,11 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
 
     def validate(self, request) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the sampling params, or InvalidRequest saying what is wrong."""
+        encode = (lambda text: self.tokenizer.encode(text).ids) if self.tokenizer is not None else None
         with invalid_on_value_error():
-            prompt = convert.generate_prompt_from_proto(request)
-            sampling = convert.sampling_params_from_proto(request.sampling if request.HasField("sampling") else None)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequest(
-                    "text prompts need a tokenizer: serve a model directory with tokenizer.json "
-                    "(or pass --tokenizer), or send token_ids"
-                )
-            prompt = list(self.tokenizer.encode(prompt).ids)
-            if not prompt:
-                raise InvalidRequest("prompt text encodes to no tokens")
-        with invalid_on_value_error():
+            prompt, sampling = convert.generate_input_from_proto(
+                request, encode, no_tokenizer_hint="serve a model directory with tokenizer.json (or pass --tokenizer)"
+            )
             prompt = convert.token_ids_from_proto(prompt, name="prompt token_ids", vocab_size=self.pod.vocab_size)
             self.pod.check_prompt_fits(len(prompt))
         return prompt, sampling

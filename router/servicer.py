@@ -114,21 +114,13 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 self._metrics.requests.labels(outcome=outcome).inc()
 
     def _validate(self, request) -> tuple[list[int], SamplingParams]:
+        encode = self._codec.encode if self._codec is not None else None
         try:
-            prompt = convert.generate_prompt_from_proto(request)
-            sampling = convert.sampling_params_from_proto(request.sampling if request.HasField("sampling") else None)
+            return convert.generate_input_from_proto(
+                request, encode, no_tokenizer_hint="start the router with --tokenizer"
+            )
         except ValueError as exc:
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        if isinstance(prompt, str):
-            if self._codec is None:
-                raise RouteError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    "text prompts need a tokenizer: start the router with --tokenizer, or send token_ids",
-                )
-            prompt = self._codec.encode(prompt)
-            if not prompt:
-                raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, "prompt text encodes to no tokens")
-        return prompt, sampling
 
     async def _route(self, request_id, pod_request_id, prompt_ids, sampling, deadline, text, start) -> AsyncIterator:
         result, prefill_address = await self._run_prefill(pod_request_id, prompt_ids, sampling, deadline)
