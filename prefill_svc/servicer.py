@@ -81,7 +81,7 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
             if final is None:
                 raise PodUnavailable("the pod stopped the request before token 1")
             if final.finished:
-                call.release_engine_request()
+                call.engine_request_finished()
             result = self._result(work, final, tokens, call.parent)
             call.count_tokens(1)
             call.span.set_attribute(SpanAttr.NUM_OUTPUT_TOKENS, 1)

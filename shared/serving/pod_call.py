@@ -56,20 +56,20 @@ class PodCall:
             self.span.set_attribute(SpanAttr.TTFT_S, ttft_s)
         self.num_output_tokens += num_tokens
 
-    def finish(self, reason: FinishReason, *, record_tpot: bool = True) -> None:
+    def finish(self, reason: FinishReason) -> None:
         """The request finished. Settled before the last message goes out: a caller may hang up once
         it has it, and that is no cancellation."""
         self._is_finished = True
         self._outcome = ERROR if reason is FinishReason.ERROR else OK
         self.span.set_attribute(SpanAttr.NUM_OUTPUT_TOKENS, self.num_output_tokens)
         self.span.set_attribute(SpanAttr.FINISH_REASON, reason.value)
-        if record_tpot and self.num_output_tokens > 1 and self.first_token_at is not None:
+        if self.num_output_tokens > 1 and self.first_token_at is not None:
             tpot_s = (time.monotonic() - self.first_token_at) / (self.num_output_tokens - 1)
             self._servicer.metrics.tpot_seconds.observe(tpot_s)
             self.span.set_attribute(SpanAttr.TPOT_S, tpot_s)
 
-    def release_engine_request(self) -> None:
-        """The engine finished with the request although the call goes on (nothing to abort)."""
+    def engine_request_finished(self) -> None:
+        """The engine is done with the request (nothing to abort) although the call goes on."""
         self._is_finished = True
 
     async def __aenter__(self) -> "PodCall":
