@@ -10,6 +10,9 @@ import typing
 from typing import Any, Callable, Mapping
 
 _KEY = "pdserve.setting"
+# Marks a field whose value is a settings dataclass of its own (see settings_group()).
+_GROUP = object()
+_UNION_TYPE = type(int | None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +42,6 @@ def settings_group() -> dict[str, Any]:
     """Metadata for a field holding another config whose own fields declare settings: its flags are
     added (and read back) with the outer config's; the field's default_factory gives the defaults."""
     return {_KEY: _GROUP}
-
-
-_GROUP = "group"
 
 
 def _inner_setting(help_or_setting: str | dict[str, Any]) -> _Setting:
@@ -134,6 +134,3 @@ def _help(text: str, default: Any) -> str:
         return text
     shown = default.value if isinstance(default, enum.Enum) else default
     return f"{text} (default {shown})"
-
-
-_UNION_TYPE = type(int | None)
