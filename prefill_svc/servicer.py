@@ -71,11 +71,23 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
             if final.finished:
                 call.engine_request_finished()
             result = self._result(work, final, tokens, call.parent)
+            if result.handle is not None:
+                self._free_hold_if_cancelled(context, work.request_id)
             call.count_tokens(1)
             call.span.set_attribute(SpanAttr.NUM_OUTPUT_TOKENS, 1)
             if result.finish_reason is not None:
                 call.span.set_attribute(SpanAttr.FINISH_REASON, result.finish_reason.value)
             return convert.prefill_result_to_proto(result)
+
+    def _free_hold_if_cancelled(self, context: grpc.aio.ServicerContext, request_id: str) -> None:
+        """A caller that hangs up while the answer goes out never learns the handle: end the hold
+        then instead of at the lease's end."""
+
+        def on_done(done_context) -> None:
+            if done_context.cancelled():
+                self.pod.loop.abort(request_id)
+
+        context.add_done_callback(on_done)
 
     def _result(self, work: wire.PrefillInput, final, tokens: list[int], parent) -> wire.PrefillResult:
         if final.finish_reason is FinishReason.ERROR or not tokens:

@@ -112,6 +112,14 @@ class RouterConfig:
     ))
     max_prefill_retries: int = field(default=2, metadata=setting("prefill attempts on other workers after a failure"))
     max_decode_retries: int = field(default=2, metadata=setting("decode re-issues on other workers after a failure"))
+    stall_timeout_s: float = field(default=5.0, metadata=setting(
+        "seconds a pod may go without answering a call (prefill) or sending a token (decode) before the "
+        "router treats it as frozen and fails the request over to another pod", flag="--stall-timeout",
+    ))
+    decode_admit_timeout_s: float = field(default=10.0, metadata=setting(
+        "seconds a request with token 1 sent may wait, backing off, for a decode pod that accepts it",
+        flag="--decode-admit-timeout",
+    ))
     request_timeout_s: float | None = field(default=600.0, metadata=setting(
         "deadline (seconds) for calls that arrive without one", flag="--request-timeout"
     ))
@@ -133,6 +141,9 @@ class RouterConfig:
         for name in ("max_prefill_retries", "max_decode_retries"):
             if not 0 <= getattr(self, name) <= 10:
                 raise ValueError(f"{name} must be in [0, 10], got {getattr(self, name)}")
+        for name in ("stall_timeout_s", "decode_admit_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.grace_seconds < 0:

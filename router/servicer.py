@@ -15,13 +15,13 @@ from opentelemetry import trace
 from proto.pdserve.v1 import generate_pb2_grpc
 from router.flags import RouterConfig
 from router.metrics import RouterMetrics
-from router.policy import NoPick, pick
+from router.policy import NoPick, candidates, pick
 from shared.serving.text import TextCodec
 from router.workers import WorkerPool
 from shared.serving import convert, wire
 from shared.engine.kv_transfer.handle import KvHandle, KvPullStats
 from shared.engine.request import FinishReason, SamplingParams
-from shared.serving.outcomes import CANCELLED, ERROR, OK, outcome_of_code
+from shared.serving.outcomes import CANCELLED, ERROR, OK, RETRY_AFTER_KEY, outcome_of_code
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,58 @@ class _Hold:
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
+class _Stalled(Exception):
+    """A pod sent nothing for the stall timeout: treated like a dead pod."""
+
+
+def _retry_after_s(error: grpc.aio.AioRpcError) -> float | None:
+    """The pod's retry hint (trailing metadata RETRY_AFTER_KEY, milliseconds), if it sent one."""
+    for key, value in error.trailing_metadata() or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                return max(0.0, int(value) / 1000)
+            except ValueError:
+                return None
+    return None
+
+
+class _Backoff:
+    """Waits between rounds of refusals, exponentially (or as long as the pods' hint says), for at
+    most budget_s in all since the last call that made progress, and never past the deadline."""
+
+    FIRST_S = 0.02
+    LONGEST_S = 1.0
+
+    def __init__(self, budget_s: float):
+        self._budget_s = budget_s
+        self.reset()
+
+    def reset(self) -> None:
+        self._next_s = self.FIRST_S
+        self._hint_s: float | None = None
+        self._waited_s = 0.0
+
+    def hint(self, seconds: float | None) -> None:
+        if seconds is not None:
+            self._hint_s = max(seconds, self._hint_s or 0.0)
+
+    def _delay(self, deadline) -> float:
+        delay = self._hint_s if self._hint_s is not None else self._next_s
+        delay = min(delay, self._budget_s - self._waited_s)
+        remaining = deadline.remaining()
+        return delay if remaining is None else min(delay, remaining)
+
+    def can_wait(self, deadline) -> bool:
+        return self._waited_s < self._budget_s and self._delay(deadline) > 0
+
+    async def wait(self, deadline) -> None:
+        delay = self._delay(deadline)
+        await asyncio.sleep(delay)
+        self._waited_s += delay
+        self._next_s = min(self._next_s * 2, self.LONGEST_S)
+        self._hint_s = None
+
+
 class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
     def __init__(
         self,
@@ -100,7 +152,9 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             remaining = context.time_remaining()
             deadline = _Deadline(self._config.request_timeout_s if remaining is None else remaining)
             text = self._codec.stream() if self._codec is not None else None
-            async for chunk in self._route(request_id, pod_request_id, prompt_ids, sampling, deadline, text, start):
+            async for chunk in self._route(
+                request_id, pod_request_id, prompt_ids, sampling, deadline, text, start, context
+            ):
                 yield chunk
             outcome = OK
         except RouteError as exc:
@@ -122,9 +176,17 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         except ValueError as exc:
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
-    async def _route(self, request_id, pod_request_id, prompt_ids, sampling, deadline, text, start) -> AsyncIterator:
+    async def _route(self, request_id, pod_request_id, prompt_ids, sampling, deadline, text, start, context) -> AsyncIterator:
+        # Token 1 must not go out for a request no decode pod can take: check before prefill.
+        self._require_decode_capacity()
         result, prefill_address = await self._run_prefill(pod_request_id, prompt_ids, sampling, deadline)
         generated = [result.first_token_id]
+        hold = None
+        if result.finish_reason is None:
+            hold = _Hold(prefill_address, pod_request_id, result.handle)
+            # However the call ends (cancelled or timed out even while token 1 goes out), a hold no
+            # decode pod confirmed is released at once, not at the lease's end.
+            context.add_done_callback(lambda _context: self._abandon(hold))
 
         def chunk(token_ids: list[int], finish: FinishReason | None):
             return convert.generate_chunk_to_proto(
@@ -136,23 +198,29 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 num_output_tokens=len(generated),
             )
 
-        # Token 1 goes out before any decode work: TTFT never waits for the KV transfer.
-        yield chunk([result.first_token_id], result.finish_reason)
-        ttft = time.monotonic() - start
-        trace.get_current_span().set_attribute("pdserve.ttft_s", ttft)
-        if self._metrics is not None:
-            self._metrics.ttft_seconds.observe(ttft)
-        if result.finish_reason is not None:
-            return
-        hold = _Hold(prefill_address, pod_request_id, result.handle)
         try:
+            # Token 1 goes out before any decode work: TTFT never waits for the KV transfer.
+            yield chunk([result.first_token_id], result.finish_reason)
+            ttft = time.monotonic() - start
+            trace.get_current_span().set_attribute("pdserve.ttft_s", ttft)
+            if self._metrics is not None:
+                self._metrics.ttft_seconds.observe(ttft)
+            if hold is None:
+                return
             async for token_ids, finish in self._run_decode(
                 pod_request_id, prompt_ids, sampling, generated, deadline, hold
             ):
                 yield chunk(token_ids, finish)
         finally:
-            # No decode pod confirmed the pull: free the prefill hold now instead of at lease expiry.
-            self._abandon(hold)
+            if hold is not None:
+                # No decode pod confirmed the pull: free the prefill hold now instead of at lease expiry.
+                self._abandon(hold)
+
+    def _require_decode_capacity(self) -> None:
+        """RouteError unless some decode pod is healthy and not overloaded."""
+        _, reason = candidates(self._decode.views())
+        if reason is not None:
+            raise self._no_pick_error(self._decode, reason, None, [])
 
     # ---- picking ------------------------------------------------------------------------------
     def _pick(self, pool: WorkerPool, exclude: list[str]):
@@ -169,6 +237,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     @staticmethod
     def _no_pick_error(pool: WorkerPool, reason: NoPick | None, last_error, tried: list[str]) -> RouteError:
+        if isinstance(last_error, _Stalled):
+            return RouteError(grpc.StatusCode.UNAVAILABLE, f"{pool.tier} failed on {', '.join(tried)}: {last_error}")
         if last_error is not None:
             return RouteError(
                 last_error.code(),
@@ -192,85 +262,143 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 reason = choice.reason
                 break
             tried.append(choice.address)
+            remaining = deadline.remaining()
+            is_stall_bound = remaining is None or remaining > self._config.stall_timeout_s
             try:
-                with self._prefill.use(choice.address) as client:
-                    result = await client.prefill(request_id, prompt_ids, sampling, timeout_s=deadline.remaining())
+                timeout_s = self._config.stall_timeout_s if is_stall_bound else remaining
+                result = await self._call_prefill(choice.address, request_id, prompt_ids, sampling, timeout_s)
             except ValueError as exc:
                 raise RouteError(
                     grpc.StatusCode.INTERNAL, f"prefill worker {choice.address} sent a bad response: {exc}"
                 ) from None
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _RETRYABLE:
+                is_stalled = is_stall_bound and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                if exc.code() not in _RETRYABLE and not is_stalled:
                     raise RouteError(exc.code(), f"prefill worker {choice.address}: {exc.details()}") from None
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE or is_stalled:
                     self._prefill.mark_unavailable(choice.address)
+                else:
+                    self._prefill.mark_overloaded(choice.address, _retry_after_s(exc))
                 self._count_retry("prefill")
                 last_error = exc
                 logger.warning(
-                    "request %s: prefill on %s failed (%s), retrying", request_id, choice.address, exc.code()
+                    "request %s: prefill on %s failed (%s), retrying", request_id, choice.address,
+                    "no answer in time" if is_stalled else exc.code(),
                 )
                 continue
             return result, choice.address
         raise self._no_pick_error(self._prefill, reason, last_error, tried)
 
+    async def _call_prefill(self, address, request_id, prompt_ids, sampling, timeout_s):
+        with self._prefill.use(address) as client:
+            call = asyncio.ensure_future(client.prefill(request_id, prompt_ids, sampling, timeout_s=timeout_s))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # The answer may already be on its way; the hold it names must not wait for its lease.
+            call.add_done_callback(lambda done: self._release_unclaimed(address, request_id, done))
+            call.cancel()
+            raise
+
+    def _release_unclaimed(self, address: str, request_id: str, call: asyncio.Future) -> None:
+        if call.cancelled() or call.exception() is not None:
+            return
+        result = call.result()
+        if result.handle is not None:
+            self._abandon(_Hold(address, request_id, result.handle))
+
     # ---- decode -------------------------------------------------------------------------------
     async def _run_decode(self, request_id, prompt_ids, sampling, generated, deadline, hold: "_Hold"):
         """Yields (new token ids, finish reason or None). `generated` (token 1 first) grows as tokens are
-        yielded, so a re-issue after a failure carries exactly what the client already has."""
-        tried: list[str] = []
+        yielded, so a re-issue after a failure carries exactly what the client already has. A pod that
+        refuses (overloaded) is tried again after a backoff; one that fails or freezes is not."""
+        failed: list[str] = []  # failed or froze on this request
+        refused: list[str] = []  # overloaded since the last backoff
+        backoff = _Backoff(self._config.decode_admit_timeout_s)
         last_error = None
-        reason = None
-        for _ in range(1 + self._config.max_decode_retries):
+        while True:
             if len(generated) >= sampling.max_tokens:
                 # A pod died right after the last token but before saying so: the request is complete.
                 yield [], FinishReason.LENGTH
                 return
-            choice = self._pick(self._decode, tried)
+            choice = self._pick(self._decode, failed + refused)
             if choice.address is None:
-                reason = choice.reason
-                break
-            tried.append(choice.address)
+                if not backoff.can_wait(deadline):
+                    raise self._no_pick_error(self._decode, choice.reason, last_error, failed + refused)
+                await backoff.wait(deadline)
+                refused.clear()
+                continue
             carries_handle = not hold.is_settled
             work = wire.DecodeInput(
                 request_id, prompt_ids, list(generated), sampling, hold.handle if carries_handle else None
             )
-            received_any = False
             try:
-                with self._decode.use(choice.address) as stub:
-                    call = stub.Decode(convert.decode_request_to_proto(work), timeout=deadline.remaining())
-                    try:
-                        async for response in call:
-                            decoded = self._decode_chunk(choice.address, response)
-                            if not received_any:
-                                received_any = True
-                                # The first message comes after the pull was confirmed (or given up).
-                                hold.is_settled = True
-                                self._record_pull(request_id, decoded.kv_pull)
-                            generated.extend(decoded.token_ids)
-                            if decoded.token_ids or decoded.finish_reason is not None:
-                                yield decoded.token_ids, decoded.finish_reason
-                            if decoded.finish_reason is not None:
-                                return
-                    finally:
-                        call.cancel()  # reaches the decode pod when the client went away
+                async for token_ids, finish in self._decode_on(choice.address, work, generated, deadline, hold):
+                    backoff.reset()
+                    yield token_ids, finish
+                return
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _RETRYABLE:
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    retry_after_s = _retry_after_s(exc)
+                    self._decode.mark_overloaded(choice.address, retry_after_s)
+                    refused.append(choice.address)
+                    backoff.hint(retry_after_s)
+                    last_error = exc
+                    continue
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise RouteError(exc.code(), f"decode worker {choice.address}: {exc.details()}") from None
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    self._decode.mark_unavailable(choice.address)
-                    # The pod may have died mid-pull: never hand the same KV to another pod; recompute.
-                    self._abandon(hold)
-                self._count_retry("decode")
                 last_error = exc
-                logger.warning(
-                    "request %s: decode on %s failed (%s) after %d tokens, re-issuing",
-                    request_id, choice.address, exc.code(), len(generated),
-                )
-                continue
-            raise RouteError(
-                grpc.StatusCode.INTERNAL, f"decode worker {choice.address} ended the stream without a finish reason"
+                reason = str(exc.code())
+            except _Stalled as exc:
+                last_error = exc
+                reason = str(exc)
+            # The pod died or froze, maybe mid-pull: never hand the same KV to another pod; recompute.
+            self._decode.mark_unavailable(choice.address)
+            self._abandon(hold)
+            failed.append(choice.address)
+            self._count_retry("decode")
+            if len(failed) > self._config.max_decode_retries:
+                raise self._no_pick_error(self._decode, None, last_error, failed)
+            logger.warning(
+                "request %s: decode on %s failed (%s) after %d tokens, re-issuing",
+                request_id, choice.address, reason, len(generated),
             )
-        raise self._no_pick_error(self._decode, reason, last_error, tried)
+
+    async def _decode_on(self, address: str, work: wire.DecodeInput, generated: list[int], deadline, hold):
+        """One Decode call: yields (new token ids, finish reason or None) until the finish reason."""
+        with self._decode.use(address) as stub:
+            call = stub.Decode(convert.decode_request_to_proto(work), timeout=deadline.remaining())
+            try:
+                is_first = True
+                while True:
+                    response = await self._next_message(call, address, deadline)
+                    if response is grpc.aio.EOF:
+                        break
+                    decoded = self._decode_chunk(address, response)
+                    if is_first:
+                        is_first = False
+                        # The first message comes after the pull was confirmed (or given up).
+                        hold.is_settled = True
+                        self._record_pull(work.request_id, decoded.kv_pull)
+                    generated.extend(decoded.token_ids)
+                    if decoded.token_ids or decoded.finish_reason is not None:
+                        yield decoded.token_ids, decoded.finish_reason
+                    if decoded.finish_reason is not None:
+                        return
+            finally:
+                call.cancel()  # reaches the decode pod when the client went away
+        raise RouteError(grpc.StatusCode.INTERNAL, f"decode worker {address} ended the stream without a finish reason")
+
+    async def _next_message(self, call, address: str, deadline):
+        """The call's next message (or EOF); _Stalled when the pod sends nothing for stall_timeout_s
+        while the client's deadline still has more time than that."""
+        remaining = deadline.remaining()
+        if remaining is not None and remaining <= self._config.stall_timeout_s:
+            return await call.read()
+        try:
+            return await asyncio.wait_for(call.read(), self._config.stall_timeout_s)
+        except asyncio.TimeoutError:
+            raise _Stalled(f"no token from {address} for {self._config.stall_timeout_s} s") from None
 
     @staticmethod
     def _decode_chunk(address: str, response) -> wire.DecodeChunk:

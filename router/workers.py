@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterator, Sequence
 
@@ -40,6 +42,7 @@ class _Worker:
     load: wire.LoadReport | None = None
     num_inflight: int = 0
     is_retired: bool = False
+    overloaded_until: float | None = None  # monotonic time a refusal's retry hint runs out
 
 
 class WorkerPool:
@@ -172,7 +175,13 @@ class WorkerPool:
 
     # ---- what the servicer uses ---------------------------------------------------------------
     def views(self) -> list[WorkerView]:
-        return [WorkerView(w.address, w.is_healthy, w.load, w.num_inflight) for w in self._workers.values()]
+        return [WorkerView(w.address, w.is_healthy, self._load_of(w), w.num_inflight) for w in self._workers.values()]
+
+    @staticmethod
+    def _load_of(worker: _Worker) -> wire.LoadReport | None:
+        if worker.overloaded_until is None or time.monotonic() >= worker.overloaded_until:
+            return worker.load
+        return dataclasses.replace(worker.load or wire.LoadReport(), is_overloaded=True)
 
     @property
     def has_healthy(self) -> bool:
@@ -187,6 +196,17 @@ class WorkerPool:
         worker = self._workers.get(address)
         if worker is not None:
             worker.is_healthy = False
+
+    def mark_overloaded(self, address: str, for_s: float | None) -> None:
+        """A call was refused as overloaded: count the worker as such for for_s seconds (the pod's
+        retry hint), or until a probe says otherwise when it gave none."""
+        worker = self._workers.get(address)
+        if worker is None:
+            return
+        if for_s is None:
+            worker.load = dataclasses.replace(worker.load or wire.LoadReport(), is_overloaded=True)
+        else:
+            worker.overloaded_until = time.monotonic() + for_s
 
     @contextlib.contextmanager
     def use(self, address: str) -> Iterator[Any]:

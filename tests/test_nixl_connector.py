@@ -216,3 +216,22 @@ def test_consumer_has_pending_work_until_a_confirmation_is_applied(clock):
 def test_a_handle_of_the_wrong_shape_cannot_be_built(clock, fields, needle):
     with pytest.raises(ValueError, match=needle):
         dataclasses.replace(_handle(clock), **fields)
+
+
+def test_an_abort_after_the_step_that_made_the_hold_frees_the_blocks_at_once():
+    from shared.engine.llm_engine import LLMEngine
+    from shared.engine.sched_config import CacheConfig, SchedulerConfig
+
+    connector = NixlProducer(engine_id="kv_producer-1", layout=LAYOUT, agent=_agent(), lease_s=600.0)
+    engine = LLMEngine("tiny", SchedulerConfig(max_model_len=512), CacheConfig(block_size=16, num_blocks=64),
+                       connector=connector)
+    engine.add_request(Request("r1", list(range(3, 43)), SamplingParams(max_tokens=1),
+                               eos_token_id=engine.eos_token_id, kv_transfer_params=HoldForPeer()))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert connector.num_held_blocks == 3  # finished: held for a decode pod under a 10-minute lease
+    engine.abort_request("r1")  # the caller gave up after the step that made the hold
+    engine.step()
+    assert connector.num_held_blocks == 0
+    assert engine.num_free_blocks == engine.num_total_blocks
+    connector.shutdown()

@@ -80,14 +80,21 @@ def n_prompt(request):
 
 
 class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, fail_after=None, delay_s=0.0, overloaded=False):
+    def __init__(self, fail_after=None, delay_s=0.0, overloaded=False, num_refusals=0, freeze_after=None):
         self.fail_after = fail_after  # abort UNAVAILABLE after this many tokens
         self.delay_s = delay_s
         self.overloaded = overloaded
+        self.num_refusals = num_refusals  # answer the first calls RESOURCE_EXHAUSTED with a retry hint
+        self.freeze_after = freeze_after  # stop sending (but keep the call open) after this many tokens
         self.calls, self.time_remaining, self.cancelled = [], [], asyncio.Event()
+        self.num_refused = 0
 
     async def Decode(self, request, context):
         work = convert.decode_request_from_proto(request)
+        if self.num_refused < self.num_refusals:
+            self.num_refused += 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "simulated overload",
+                                trailing_metadata=(("retry-after-ms", "30"),))
         self.calls.append(work)
         self.time_remaining.append(context.time_remaining())
         outcome = convert.KvPullOutcome.PULLED if work.handle else convert.KvPullOutcome.NO_HANDLE
@@ -97,6 +104,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
         sent = 0
         try:
             while True:
+                if self.freeze_after is not None and sent == self.freeze_after:
+                    await asyncio.sleep(3600)
                 if self.fail_after is not None and sent == self.fail_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "simulated decode crash")
                 await asyncio.sleep(self.delay_s)
@@ -131,10 +140,11 @@ class Cluster:
     """Fake pods + the router servicer on a real gRPC server, all on 127.0.0.1."""
 
     def __init__(self, prefills, decodes, *, policy="round-robin", codec=None, decode_serving=True,
-                 request_timeout_s=None, tracer=None):
+                 request_timeout_s=None, tracer=None, **router_settings):
         self.prefills, self.decodes, self.request_timeout_s = prefills, decodes, request_timeout_s
         self.tracer = tracer
         self.policy, self.codec, self.decode_serving = policy, codec, decode_serving
+        self.router_settings = router_settings
 
     async def __aenter__(self):
         self.servers = [await start_fake(p, prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
@@ -151,7 +161,8 @@ class Cluster:
         await self.prefill_pool.start()
         await self.decode_pool.start()
         router_config = RouterConfig(tuple(prefill_specs), tuple(decode_specs), policy=self.policy,
-                                     request_timeout_s=self.request_timeout_s, pool=pool_config)
+                                     request_timeout_s=self.request_timeout_s, pool=pool_config,
+                                     **self.router_settings)
         self.servicer = RouterServicer(self.prefill_pool, self.decode_pool, router_config,
                                        codec=self.codec, tracer=self.tracer)
         self.router = GrpcServer(ServerOptions(port=0, grace_seconds=0))
@@ -306,17 +317,83 @@ def test_decode_server_dying_mid_stream_is_reissued():
     run(scenario())
 
 
-def test_no_healthy_decode_gives_unavailable_and_releases_the_hold():
+def test_no_healthy_decode_fails_before_prefill():
     async def scenario():
         prefill = FakePrefill()
         async with Cluster([prefill], [FakeDecode()], decode_serving=False) as cluster:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await cluster.generate([3], max_tokens=4, request_id="lost")
-            await cluster.servicer.drain()
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "no healthy decode worker" in info.value.details()
-        # Downstream ids are the client's id plus a suffix (two clients may choose the same id).
-        assert len(prefill.released) == 1 and prefill.released[0].startswith("lost.")
+        assert prefill.calls == []  # no token 1 for a request no decode pod can take
+
+    run(scenario())
+
+
+def test_overloaded_decode_tier_fails_before_prefill():
+    async def scenario():
+        prefill = FakePrefill()
+        async with Cluster([prefill], [FakeDecode(overloaded=True)]) as cluster:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await cluster.generate([3], max_tokens=4)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "every decode worker is overloaded" in info.value.details()
+        assert prefill.calls == []
+
+    run(scenario())
+
+
+def test_decode_refusals_after_token_one_back_off_until_a_pod_accepts():
+    async def scenario():
+        decodes = [FakeDecode(num_refusals=3), FakeDecode(num_refusals=3)]
+        async with Cluster([FakePrefill()], decodes) as cluster:
+            got = tokens(await cluster.generate([3], max_tokens=6))
+        assert got == expected_output([3], 6)
+        assert sum(d.num_refused for d in decodes) >= 4  # both pods refused before one accepted
+        assert sum(len(d.calls) for d in decodes) == 1
+
+    run(scenario())
+
+
+def test_decode_refusals_past_the_admit_timeout_end_with_resource_exhausted():
+    async def scenario():
+        prefill = FakePrefill()
+        async with Cluster([prefill], [FakeDecode(num_refusals=10**6)], decode_admit_timeout_s=0.3) as cluster:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await cluster.generate([3], max_tokens=6)
+            await cluster.servicer.drain()
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert len(prefill.released) == 1  # the hold went back at once
+
+    run(scenario())
+
+
+def test_frozen_decode_stream_fails_over_without_duplicating_tokens():
+    async def scenario():
+        decodes = [FakeDecode(freeze_after=3, delay_s=0.01), FakeDecode(freeze_after=3, delay_s=0.01)]
+        async with Cluster([FakePrefill()], decodes, stall_timeout_s=0.5) as cluster:
+            got = tokens(await cluster.generate([3], max_tokens=5))
+        assert got == expected_output([3], 5)
+        assert [len(d.calls) for d in decodes] == [1, 1]
+        # The re-issue carries exactly what the client had: token 1 and the 3 the frozen pod sent.
+        assert sorted(len(d.calls[0].generated_token_ids) for d in decodes) == [1, 4]
+
+    run(scenario())
+
+
+def test_cancel_right_after_token_one_releases_the_hold():
+    async def scenario():
+        prefill = FakePrefill()
+        async with Cluster([prefill], [FakeDecode(freeze_after=0)]) as cluster:
+            stream = cluster.client.generate([2], max_tokens=100)
+            async for _ in stream:
+                break  # hang up on token 1, before any decode pod confirmed the pull
+            await stream.aclose()
+            for _ in range(100):
+                if prefill.released:
+                    break
+                await asyncio.sleep(0.01)
+        assert len(prefill.released) == 1
 
     run(scenario())
 

@@ -131,6 +131,10 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+        if self.connector is not None:
+            # The abort may land after the step that finished the request and left its blocks held
+            # for a peer: nobody will pull them now, so the hold ends here, not at the lease's end.
+            self.connector.request_aborted(request_id)
 
     def step(self) -> list[EngineCoreOutput]:
         """One schedule -> execute -> update round; the per-request outputs it produced."""

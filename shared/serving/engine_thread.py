@@ -119,11 +119,12 @@ class EngineLoop:
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Abort a request if it is still in flight; its blocks are freed by the engine."""
+        """Abort a request; its blocks are freed by the engine. The engine is told even when the
+        request's last output already left it: a request finished by the step that was running
+        when the caller gave up may hold blocks for a peer that will never come."""
         stream = self._streams.pop(request_id, None)
-        if stream is None:
-            return
-        stream._put(None)
+        if stream is not None:
+            stream._put(None)
         self._send(lambda: self._abort(request_id))
 
     def wake(self) -> None:

@@ -30,8 +30,16 @@ class DuplicateRequestId(CallError):
     """A request with this id is already in flight on the pod."""
 
 
+# Trailing metadata of a RESOURCE_EXHAUSTED answer: milliseconds after which a retry may succeed.
+RETRY_AFTER_KEY = "retry-after-ms"
+
+
 class PodOverloaded(CallError):
-    """The pod already has as many requests in flight as it admits."""
+    """The pod already has as many requests in flight as it admits; retry_after_ms hints when to retry."""
+
+    def __init__(self, message: str, retry_after_ms: int | None = None):
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
 
 
 class PodUnavailable(CallError):

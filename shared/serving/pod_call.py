@@ -13,7 +13,7 @@ from opentelemetry import trace
 
 from shared.engine.request import FinishReason, Request
 from shared.serving.engine_thread import RequestStream
-from shared.serving.outcomes import CANCELLED, ERROR, OK, CallError, status_of
+from shared.serving.outcomes import CANCELLED, ERROR, OK, RETRY_AFTER_KEY, CallError, PodOverloaded, status_of
 from shared.serving.telemetry import SpanAttr
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ class PodCall:
             exc = RuntimeError(f"internal error: {exc!r}")
         self._end(outcome)
         if status is not None:
-            await self.context.abort(status[0], str(exc))
+            await self.context.abort(status[0], str(exc), trailing_metadata=_retry_hint(exc))
         return False
 
     def _end(self, outcome: str) -> None:
@@ -106,3 +106,9 @@ class PodCall:
                     self._tier, self.parent, self.stream.timeline, {SpanAttr.REQUEST_ID: request_id}
                 )
         self._servicer.metrics.record_outcome(outcome)
+
+
+def _retry_hint(error: BaseException) -> tuple[tuple[str, str], ...]:
+    if isinstance(error, PodOverloaded) and error.retry_after_ms is not None:
+        return ((RETRY_AFTER_KEY, str(error.retry_after_ms)),)
+    return ()

@@ -33,6 +33,9 @@ def serving_cache_config() -> CacheConfig:
     return CacheConfig(block_size=16, num_blocks=4096, enable_prefix_caching=True)
 
 
+# The retry hint of a refusal: about a few engine steps, when the first requests in flight finish.
+OVERLOAD_RETRY_AFTER_MS = 50
+
 # PodConfig fields only one role has a flag for.
 PRODUCER_SETTINGS = ("lease_s", "advertise_address")
 CONSUMER_SETTINGS = ("kv_load_failure_policy",)
@@ -58,8 +61,10 @@ class PodConfig:
         num_blocks="KV blocks in the pool",
         enable_prefix_caching=setting("turn prefix caching off", flag="--no-prefix-caching"),
     ))
-    max_requests_in_flight: int = field(default=1024, metadata=setting(
-        "requests in flight beyond which new ones get RESOURCE_EXHAUSTED"
+    # Bounded so that overload is refused at once (the router tries another pod, then backs off)
+    # instead of queueing: a queue beyond about one full batch only adds latency to every request.
+    max_requests_in_flight: int = field(default=64, metadata=setting(
+        "requests in flight beyond which new ones get RESOURCE_EXHAUSTED (with a retry hint)"
     ))
     lease_s: float = field(default=30.0, metadata=setting(
         "seconds a prompt's KV is held for its pull (prefill)"
@@ -158,7 +163,8 @@ class Pod:
     def submit(self, request: Request) -> RequestStream:
         if self.loop.num_in_flight >= self.config.max_requests_in_flight:
             raise PodOverloaded(
-                f"{self.loop.num_in_flight} requests in flight (limit {self.config.max_requests_in_flight})"
+                f"{self.loop.num_in_flight} requests in flight (limit {self.config.max_requests_in_flight})",
+                retry_after_ms=OVERLOAD_RETRY_AFTER_MS,
             )
         return self.loop.submit(request)
 

@@ -63,6 +63,10 @@ class KVConnectorBase:
         needs to pull the held KV: the scheduler reports it as the request's hand-off."""
         return False, None
 
+    def request_aborted(self, request_id: str) -> None:
+        """The request was aborted from outside, possibly after it finished: drop anything kept for
+        a peer (a producer's hold), so its blocks are freed on the next step."""
+
     def has_pending_work(self) -> bool:
         """True while the engine must keep stepping without requests: holds to watch, transfers in
         flight, events still to report."""

@@ -68,6 +68,13 @@ class NixlProducer(NixlConnector):
         self.wake()
         return now_ms < hold.deadline_unix_ms
 
+    def request_aborted(self, request_id: str) -> None:
+        with self._lock:
+            if self._holds.pop(request_id, None) is None:
+                return
+            self._released.add(request_id)
+        self.wake()
+
     def release_all(self) -> None:
         """End every hold (shutdown, any thread): the scheduler frees the blocks on its next step."""
         with self._lock:
