@@ -14,6 +14,10 @@ from shared.serving.prefill_client import PrefillClient, PrefillClientConfig
 
 logger = logging.getLogger(__name__)
 
+# A restarted prefill pod is back within seconds: reconnect at most a second after it is, or its
+# holds would wait for their leases because the confirmations cannot reach it.
+_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+
 
 class KvSourceUnavailable(RuntimeError):
     """The prefill pod named in a handle cannot describe its KV memory (down, restarted, bad answer)."""
@@ -42,7 +46,7 @@ class KvSourceCache:
     def _client(self, address: str) -> PrefillClient:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, interceptors=self._interceptors)
+            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS, interceptors=self._interceptors)
             self._channels[address] = channel
         return PrefillClient(channel, self._config)
 

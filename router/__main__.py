@@ -50,6 +50,9 @@ async def run(config: RouterConfig, *, env: dict[str, str], codec: TextCodec | N
         channel_options=[
             ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+            # A restarted pod is back within seconds: reconnect at most a second after it is.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
         ],
         interceptors=tracing.client_interceptors(),
         on_poll=update_health,

@@ -113,8 +113,9 @@ class RouterConfig:
     max_prefill_retries: int = field(default=2, metadata=setting("prefill attempts on other workers after a failure"))
     max_decode_retries: int = field(default=2, metadata=setting("decode re-issues on other workers after a failure"))
     stall_timeout_s: float = field(default=5.0, metadata=setting(
-        "seconds a pod may go without answering a call (prefill) or sending a token (decode) before the "
-        "router treats it as frozen and fails the request over to another pod", flag="--stall-timeout",
+        "seconds a decode pod may go without sending a token before the router treats it as frozen and "
+        "fails the request over to another pod (a prefill pod counts as frozen when it fails a health probe)",
+        flag="--stall-timeout",
     ))
     decode_admit_timeout_s: float = field(default=10.0, metadata=setting(
         "seconds a request with token 1 sent may wait, backing off, for a decode pod that accepts it",

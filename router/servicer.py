@@ -262,43 +262,49 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 reason = choice.reason
                 break
             tried.append(choice.address)
-            remaining = deadline.remaining()
-            is_stall_bound = remaining is None or remaining > self._config.stall_timeout_s
             try:
-                timeout_s = self._config.stall_timeout_s if is_stall_bound else remaining
-                result = await self._call_prefill(choice.address, request_id, prompt_ids, sampling, timeout_s)
+                return await self._call_prefill(choice.address, request_id, prompt_ids, sampling, deadline), choice.address
             except ValueError as exc:
                 raise RouteError(
                     grpc.StatusCode.INTERNAL, f"prefill worker {choice.address} sent a bad response: {exc}"
                 ) from None
+            except _Stalled as exc:
+                last_error = exc
+                cause = str(exc)
             except grpc.aio.AioRpcError as exc:
-                is_stalled = is_stall_bound and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                if exc.code() not in _RETRYABLE and not is_stalled:
+                if exc.code() not in _RETRYABLE:
                     raise RouteError(exc.code(), f"prefill worker {choice.address}: {exc.details()}") from None
-                if exc.code() == grpc.StatusCode.UNAVAILABLE or is_stalled:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     self._prefill.mark_unavailable(choice.address)
                 else:
                     self._prefill.mark_overloaded(choice.address, _retry_after_s(exc))
-                self._count_retry("prefill")
                 last_error = exc
-                logger.warning(
-                    "request %s: prefill on %s failed (%s), retrying", request_id, choice.address,
-                    "no answer in time" if is_stalled else exc.code(),
-                )
-                continue
-            return result, choice.address
+                cause = str(exc.code())
+            self._count_retry("prefill")
+            logger.warning("request %s: prefill on %s failed (%s), retrying", request_id, choice.address, cause)
         raise self._no_pick_error(self._prefill, reason, last_error, tried)
 
-    async def _call_prefill(self, address, request_id, prompt_ids, sampling, timeout_s):
+    async def _call_prefill(self, address, request_id, prompt_ids, sampling, deadline):
+        """One Prefill call; _Stalled when the pod stops answering its health checks meanwhile (frozen:
+        a pod busy computing still answers them, so a long queue is not mistaken for a freeze)."""
         with self._prefill.use(address) as client:
-            call = asyncio.ensure_future(client.prefill(request_id, prompt_ids, sampling, timeout_s=timeout_s))
+            call = asyncio.ensure_future(
+                client.prefill(request_id, prompt_ids, sampling, timeout_s=deadline.remaining())
+            )
+        is_answered = False
         try:
-            return await asyncio.shield(call)
-        except asyncio.CancelledError:
-            # The answer may already be on its way; the hold it names must not wait for its lease.
-            call.add_done_callback(lambda done: self._release_unclaimed(address, request_id, done))
-            call.cancel()
-            raise
+            while True:
+                done, _ = await asyncio.wait({call}, timeout=self._prefill.config.health_interval_s)
+                if done:
+                    is_answered = True
+                    return call.result()
+                if not self._prefill.is_healthy(address):
+                    raise _Stalled(f"{address} stopped answering health checks during the call")
+        finally:
+            if not is_answered:
+                # The answer may already be on its way; the hold it names must not wait for its lease.
+                call.add_done_callback(lambda done: self._release_unclaimed(address, request_id, done))
+                call.cancel()
 
     def _release_unclaimed(self, address: str, request_id: str, call: asyncio.Future) -> None:
         if call.cancelled() or call.exception() is not None:

@@ -191,6 +191,10 @@ class WorkerPool:
     def addresses(self) -> list[str]:
         return list(self._workers)
 
+    def is_healthy(self, address: str) -> bool:
+        worker = self._workers.get(address)
+        return worker is not None and worker.is_healthy
+
     def mark_unavailable(self, address: str) -> None:
         """A call failed with UNAVAILABLE: stop picking it until a probe says it is back."""
         worker = self._workers.get(address)

@@ -1,0 +1,212 @@
+"""The fault matrix: each scenario strikes the running system (router + two pods per tier) at one
+phase of its requests, then checks that every request ended in time with the reference output (or a
+prefix of it when it failed) and that no pod keeps a KV block afterwards. Killed pods are restarted
+on their ports, so every scenario finds two pods per tier."""
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import grpc
+import pytest
+
+from conftest import LONG_PROMPTS, SHORT_PROMPTS
+from fault_cluster import LEASE_S, PREFILL
+from matrix import Load, Shot, judge
+
+pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.timeout(180)]
+
+LEAK_WINDOW_S = 2.0
+FREEZE_S = 4.0  # longer than the router's stall timeout
+
+
+def _short(max_tokens: int, **options) -> list[Shot]:
+    return [Shot(prompt, max_tokens, **options) for prompt in SHORT_PROMPTS[:6]]
+
+
+def _long(max_tokens: int, **options) -> list[Shot]:
+    return [Shot(prompt, max_tokens, **options) for prompt in LONG_PROMPTS[:6]]
+
+
+def _all_have(num_tokens: int):
+    return lambda counts: all(count >= num_tokens or count < 0 for count in counts)
+
+
+def _any_has(num_tokens: int):
+    return lambda counts: any(count >= num_tokens for count in counts)
+
+
+# Each scenario drives one Load and returns True when every request must succeed (a second pod of
+# the tier was there to take over), False when failing requests are the point (cancel, deadline).
+
+async def baseline(cluster, load):
+    await load.start(_short(24))
+    return True
+
+
+async def prefill_sigkill_while_computing(cluster, load):
+    done = load.start(_long(16))
+    await asyncio.sleep(0.05)
+    cluster.send("prefill-0", signal.SIGKILL)
+    await done
+    await asyncio.to_thread(cluster.restart, "prefill-0")
+    return True
+
+
+async def prefill_sigkill_after_token1_before_pull(cluster, load):
+    done = load.start(_long(48))
+    await load.until(_any_has(1))
+    cluster.send("prefill-0", signal.SIGKILL)
+    await done
+    await asyncio.to_thread(cluster.restart, "prefill-0")
+    return True
+
+
+async def decode_sigkill_midstream(cluster, load):
+    done = load.start(_short(200))
+    await load.until(_all_have(3))
+    cluster.send("decode-0", signal.SIGKILL)
+    await done
+    await asyncio.to_thread(cluster.restart, "decode-0")
+    return True
+
+
+async def prefill_sigstop(cluster, load):
+    done = load.start(_long(16))
+    await asyncio.sleep(0.02)
+    cluster.send("prefill-0", signal.SIGSTOP)
+    await asyncio.sleep(FREEZE_S)
+    cluster.send("prefill-0", signal.SIGCONT)
+    await done
+    return True
+
+
+async def decode_sigstop(cluster, load):
+    done = load.start(_short(200))
+    await load.until(_all_have(3))
+    cluster.send("decode-0", signal.SIGSTOP)
+    await asyncio.sleep(FREEZE_S)
+    cluster.send("decode-0", signal.SIGCONT)
+    await done
+    return True
+
+
+async def lease_expiry_under_load(cluster, load):
+    before = _lease_expiries(cluster)
+    done = load.start([Shot(prompt, 16) for prompt in LONG_PROMPTS])
+    await load.until(_any_has(1))
+    # A frozen router pulls nothing: the holds of the prompts computing now outlive their lease.
+    cluster.send("router", signal.SIGSTOP)
+    await asyncio.sleep(LEASE_S + 1.0)
+    cluster.send("router", signal.SIGCONT)
+    await done
+    await asyncio.sleep(0.6)  # the pods refresh their counters every half second
+    assert _lease_expiries(cluster) > before, "no lease ran out: the scenario did not test expiry"
+    return True
+
+
+async def cancel_in_prefill(cluster, load):
+    await load.start(_long(16, cancel_after_s=0.03))
+    return False
+
+
+async def cancel_at_token1(cluster, load):
+    await load.start(_long(64, cancel_after_tokens=1))
+    return False
+
+
+async def cancel_midstream(cluster, load):
+    await load.start(_short(200, cancel_after_tokens=5))
+    return False
+
+
+async def deadline_in_prefill(cluster, load):
+    shots = [Shot(prompt, 16, deadline_s=0.02 * (i + 1)) for i, prompt in enumerate(LONG_PROMPTS[:6])]
+    await load.start(shots)
+    return False
+
+
+async def deadline_midstream(cluster, load):
+    await load.start(_short(200, deadline_s=0.5))
+    return False
+
+
+async def router_restart(cluster, load):
+    done = load.start(_short(200))
+    await load.until(_all_have(2))
+    cluster.send("router", signal.SIGKILL)
+    await done
+    await asyncio.to_thread(cluster.restart, "router")
+    after = Load(cluster.router_address)
+    try:
+        await after.start([Shot(prompt, 16) for prompt in SHORT_PROMPTS[:4]])
+    finally:
+        await after.close()
+    assert all(r.code == grpc.StatusCode.OK for r in after.results), [r.code for r in after.results]
+    load.results.extend(after.results)
+    return False
+
+
+async def prefill_sigterm_drain(cluster, load):
+    done = load.start(_long(16))
+    await asyncio.sleep(0.05)
+    cluster.send("prefill-0", signal.SIGTERM)
+    await done
+    await asyncio.to_thread(cluster.restart, "prefill-0")
+    return True
+
+
+async def decode_sigterm_drain(cluster, load):
+    done = load.start(_short(100))
+    await load.until(_all_have(3))
+    cluster.send("decode-0", signal.SIGTERM)
+    await done
+    await asyncio.to_thread(cluster.restart, "decode-0")
+    return True
+
+
+def _lease_expiries(cluster) -> float:
+    return sum(cluster.gauges(name).get("pdserve_lease_expiries_total", 0.0) for name in PREFILL)
+
+
+SCENARIOS = [
+    baseline,
+    prefill_sigkill_while_computing,
+    prefill_sigkill_after_token1_before_pull,
+    decode_sigkill_midstream,
+    prefill_sigstop,
+    decode_sigstop,
+    lease_expiry_under_load,
+    cancel_in_prefill,
+    cancel_at_token1,
+    cancel_midstream,
+    deadline_in_prefill,
+    deadline_midstream,
+    router_restart,
+    prefill_sigterm_drain,
+    decode_sigterm_drain,
+]
+
+
+async def _drive(scenario, cluster):
+    load = Load(cluster.router_address)
+    try:
+        must_all_succeed = await scenario(cluster, load)
+    finally:
+        await load.close()
+    return load.results, must_all_succeed
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda scenario: scenario.__name__)
+def test_fault_scenario(scenario, fault_cluster, reference, fault_matrix):
+    fault_cluster.ensure_running()
+    try:
+        results, must_all_succeed = asyncio.run(_drive(scenario, fault_cluster))
+    finally:
+        fault_cluster.ensure_running()
+    leaked = fault_cluster.wait_blocks_free(LEAK_WINDOW_S)
+    row = judge(scenario.__name__, results, reference, leaked)
+    fault_matrix.append(row)
+    assert (row.hung, row.corrupt, row.leaked) == (0, 0, 0), f"{row}; blocks in use: {leaked}"
+    if must_all_succeed:
+        assert row.correct == row.sent, row
