@@ -285,8 +285,10 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         raise self._no_pick_error(self._prefill, reason, last_error, tried)
 
     async def _call_prefill(self, address, request_id, prompt_ids, sampling, deadline):
-        """One Prefill call; _Stalled when the pod stops answering its health checks meanwhile (frozen:
-        a pod busy computing still answers them, so a long queue is not mistaken for a freeze)."""
+        """One Prefill call; _Stalled when it has no answer after stall_timeout_s and the pod fails its
+        health probes too (frozen: a pod busy computing a long queue still answers them, and one slow
+        probe alone does not give up a call about to be answered)."""
+        stalled_at = time.monotonic() + self._config.stall_timeout_s
         with self._prefill.use(address) as client:
             call = asyncio.ensure_future(
                 client.prefill(request_id, prompt_ids, sampling, timeout_s=deadline.remaining())
@@ -298,8 +300,9 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 if done:
                     is_answered = True
                     return call.result()
-                if not self._prefill.is_healthy(address):
-                    raise _Stalled(f"{address} stopped answering health checks during the call")
+                if time.monotonic() >= stalled_at and not self._prefill.is_healthy(address):
+                    raise _Stalled(f"no answer from {address} for {self._config.stall_timeout_s} s, "
+                                   "and it fails its health probes")
         finally:
             if not is_answered:
                 # The answer may already be on its way; the hold it names must not wait for its lease.
@@ -318,7 +321,9 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         """Yields (new token ids, finish reason or None). `generated` (token 1 first) grows as tokens are
         yielded, so a re-issue after a failure carries exactly what the client already has. A pod that
         refuses (overloaded) is tried again after a backoff; one that fails or freezes is not."""
-        failed: list[str] = []  # failed or froze on this request
+        # Pods that failed or froze on this request: marked unavailable, so not picked again until a
+        # health probe finds them serving (a false stall, e.g. while the router itself was starved).
+        failed: list[str] = []
         refused: list[str] = []  # overloaded since the last backoff
         backoff = _Backoff(self._config.decode_admit_timeout_s)
         last_error = None
@@ -327,7 +332,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 # A pod died right after the last token but before saying so: the request is complete.
                 yield [], FinishReason.LENGTH
                 return
-            choice = self._pick(self._decode, failed + refused)
+            choice = self._pick(self._decode, refused)
             if choice.address is None:
                 if not backoff.can_wait(deadline):
                     raise self._no_pick_error(self._decode, choice.reason, last_error, failed + refused)

@@ -18,7 +18,7 @@ LEASE_S = 3.0
 STALL_TIMEOUT_S = 2.0
 MODEL_ARGS = ["--model", "tiny", "--seed", "0", "--block-size", str(BLOCK_SIZE), "--num-blocks", str(NUM_BLOCKS),
               "--max-model-len", "2048", "--num-threads", "1"]
-ROUTER_ARGS = ["--stall-timeout", str(STALL_TIMEOUT_S), "--health-interval", "0.2", "--probe-timeout", "0.5",
+ROUTER_ARGS = ["--stall-timeout", str(STALL_TIMEOUT_S), "--health-interval", "0.2",
                "--decode-admit-timeout", "10"]
 PREFILL = ("prefill-0", "prefill-1")
 DECODE = ("decode-0", "decode-1")
@@ -36,6 +36,7 @@ class Member:
     metrics_url: str | None
     process: ServiceProcess | None = None
     num_starts: int = 0
+    is_ready: bool = False  # SERVING since its last start
 
 
 @dataclass
@@ -56,8 +57,7 @@ class FaultCluster:
             cluster._add("router", "router", [*routing, *ROUTER_ARGS])
             for name in cluster.members:
                 cluster._launch(name)
-            for member in cluster.members.values():
-                wait_serving(member.process)
+            cluster.wait_ready(tuple(cluster.members))
         except BaseException:
             cluster.stop()
             raise
@@ -72,6 +72,7 @@ class FaultCluster:
     def _launch(self, name: str) -> None:
         member = self.members[name]
         member.num_starts += 1
+        member.is_ready = False
         log_name = name if member.num_starts == 1 else f"{name}.{member.num_starts}"
         member.process = start_service(log_name, member.module, member.args, address=member.address,
                                        log_dir=self.log_dir)
@@ -88,7 +89,8 @@ class FaultCluster:
         os.kill(self.members[name].process.pid, sig)
 
     def restart(self, name: str, *, timeout_s: float = 30.0) -> None:
-        """Waits for the process to end (SIGKILL after timeout_s), then starts it again on its ports."""
+        """Waits for the process to end (SIGKILL after timeout_s), then starts it again on its ports
+        without waiting for it: wait_ready() does, when a scenario needs it."""
         process = self.members[name].process.process
         try:
             process.wait(timeout_s)
@@ -96,17 +98,23 @@ class FaultCluster:
             process.kill()
             process.wait(10)
         self._launch(name)
-        wait_serving(self.members[name].process)
 
-    def ensure_running(self) -> None:
-        """Every service is up and SERVING (a scenario that failed half-way may have left one down)."""
+    def wait_ready(self, names: tuple[str, ...]) -> None:
+        for name in names:
+            member = self.members[name]
+            if not member.is_ready:
+                wait_serving(member.process)
+                member.is_ready = True
+
+    def ensure_running(self, names: tuple[str, ...]) -> None:
+        """The named services are up and SERVING, the others at least started and not frozen (a
+        scenario that failed half-way may have left one down or stopped)."""
         for name, member in self.members.items():
             if not member.process.is_running():
                 self._launch(name)
             else:
                 self.send(name, signal.SIGCONT)
-        for member in self.members.values():
-            wait_serving(member.process)
+        self.wait_ready(names)
 
     # ---- metrics -----------------------------------------------------------------------------
     def gauges(self, name: str) -> dict[str, float]:
@@ -124,6 +132,8 @@ class FaultCluster:
         """Per pod: KV blocks used plus blocks held for a peer (both 0 when nothing leaked)."""
         out = {}
         for name in PODS:
+            if not self.members[name].is_ready:
+                continue  # restarting: a fresh process holds nothing yet
             values = self.gauges(name)
             out[name] = int(values["pdserve_kv_blocks_used"] + values["pdserve_kv_blocks_held_for_peer"])
         return out

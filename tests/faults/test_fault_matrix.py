@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from conftest import LONG_PROMPTS, SHORT_PROMPTS
-from fault_cluster import LEASE_S, PREFILL
+from fault_cluster import DECODE, LEASE_S, PREFILL
 from matrix import Load, Shot, judge
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -137,6 +137,7 @@ async def router_restart(cluster, load):
     cluster.send("router", signal.SIGKILL)
     await done
     await asyncio.to_thread(cluster.restart, "router")
+    await asyncio.to_thread(cluster.wait_ready, ("router",))
     after = Load(cluster.router_address)
     try:
         await after.start([Shot(prompt, 16) for prompt in SHORT_PROMPTS[:4]])
@@ -169,22 +170,27 @@ def _lease_expiries(cluster) -> float:
     return sum(cluster.gauges(name).get("pdserve_lease_expiries_total", 0.0) for name in PREFILL)
 
 
+ALL = ("router", *PREFILL, *DECODE)
+ANY = ("router",)  # the router waits for one healthy pod per tier itself
+
+# (scenario, the services it needs SERVING when it starts). A pod a scenario restarts comes back
+# while later scenarios that do not strike its tier run.
 SCENARIOS = [
-    baseline,
-    prefill_sigkill_while_computing,
-    prefill_sigkill_after_token1_before_pull,
-    decode_sigkill_midstream,
-    prefill_sigstop,
-    decode_sigstop,
-    lease_expiry_under_load,
-    cancel_in_prefill,
-    cancel_at_token1,
-    cancel_midstream,
-    deadline_in_prefill,
-    deadline_midstream,
-    router_restart,
-    prefill_sigterm_drain,
-    decode_sigterm_drain,
+    (baseline, ALL),
+    (prefill_sigkill_while_computing, ALL),
+    (decode_sigkill_midstream, ("router", *DECODE)),
+    (cancel_in_prefill, ANY),
+    (cancel_at_token1, ANY),
+    (cancel_midstream, ANY),
+    (deadline_in_prefill, ANY),
+    (deadline_midstream, ANY),
+    (prefill_sigkill_after_token1_before_pull, ("router", *PREFILL)),
+    (decode_sigstop, ("router", *DECODE)),
+    (router_restart, ANY),
+    (prefill_sigstop, ("router", *PREFILL)),
+    (lease_expiry_under_load, ALL),
+    (decode_sigterm_drain, ("router", *DECODE)),
+    (prefill_sigterm_drain, ("router", *PREFILL)),
 ]
 
 
@@ -197,13 +203,13 @@ async def _drive(scenario, cluster):
     return load.results, must_all_succeed
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda scenario: scenario.__name__)
-def test_fault_scenario(scenario, fault_cluster, reference, fault_matrix):
-    fault_cluster.ensure_running()
+@pytest.mark.parametrize("scenario, needs", SCENARIOS, ids=[scenario.__name__ for scenario, _ in SCENARIOS])
+def test_fault_scenario(scenario, needs, fault_cluster, reference, fault_matrix):
+    fault_cluster.ensure_running(needs)
     try:
         results, must_all_succeed = asyncio.run(_drive(scenario, fault_cluster))
     finally:
-        fault_cluster.ensure_running()
+        fault_cluster.ensure_running(("router",))
     leaked = fault_cluster.wait_blocks_free(LEAK_WINDOW_S)
     row = judge(scenario.__name__, results, reference, leaked)
     fault_matrix.append(row)
