@@ -3,6 +3,7 @@ relay tokens; retries, deadline and cancellation propagation, and KV-hold cleanu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -16,12 +17,13 @@ from proto.pdserve.v1 import generate_pb2_grpc
 from router.flags import RouterConfig
 from router.metrics import RouterMetrics
 from router.policy import NoPick, candidates, pick
+from router.retry import Backoff, Stalled, retry_after_s
 from shared.serving.text import TextCodec
 from router.workers import WorkerPool
 from shared.serving import convert, wire
 from shared.engine.kv_transfer.handle import KvHandle, KvPullStats
 from shared.engine.request import FinishReason, SamplingParams
-from shared.serving.outcomes import CANCELLED, ERROR, OK, RETRY_AFTER_KEY, outcome_of_code
+from shared.serving.outcomes import CANCELLED, ERROR, OK, outcome_of_code
 
 logger = logging.getLogger(__name__)
 
@@ -62,58 +64,6 @@ class _Hold:
 
 # Failures that mean "this worker could not take the call": try another one.
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-
-
-class _Stalled(Exception):
-    """A pod sent nothing for the stall timeout: treated like a dead pod."""
-
-
-def _retry_after_s(error: grpc.aio.AioRpcError) -> float | None:
-    """The pod's retry hint (trailing metadata RETRY_AFTER_KEY, milliseconds), if it sent one."""
-    for key, value in error.trailing_metadata() or ():
-        if key == RETRY_AFTER_KEY:
-            try:
-                return max(0.0, int(value) / 1000)
-            except ValueError:
-                return None
-    return None
-
-
-class _Backoff:
-    """Waits between rounds of refusals, exponentially (or as long as the pods' hint says), for at
-    most budget_s in all since the last call that made progress, and never past the deadline."""
-
-    FIRST_S = 0.02
-    LONGEST_S = 1.0
-
-    def __init__(self, budget_s: float):
-        self._budget_s = budget_s
-        self.reset()
-
-    def reset(self) -> None:
-        self._next_s = self.FIRST_S
-        self._hint_s: float | None = None
-        self._waited_s = 0.0
-
-    def hint(self, seconds: float | None) -> None:
-        if seconds is not None:
-            self._hint_s = max(seconds, self._hint_s or 0.0)
-
-    def _delay(self, deadline) -> float:
-        delay = self._hint_s if self._hint_s is not None else self._next_s
-        delay = min(delay, self._budget_s - self._waited_s)
-        remaining = deadline.remaining()
-        return delay if remaining is None else min(delay, remaining)
-
-    def can_wait(self, deadline) -> bool:
-        return self._waited_s < self._budget_s and self._delay(deadline) > 0
-
-    async def wait(self, deadline) -> None:
-        delay = self._delay(deadline)
-        await asyncio.sleep(delay)
-        self._waited_s += delay
-        self._next_s = min(self._next_s * 2, self.LONGEST_S)
-        self._hint_s = None
 
 
 class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
@@ -176,7 +126,9 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         except ValueError as exc:
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
-    async def _route(self, request_id, pod_request_id, prompt_ids, sampling, deadline, text, start, context) -> AsyncIterator:
+    async def _route(
+        self, request_id, pod_request_id, prompt_ids, sampling, deadline, text, start, context
+    ) -> AsyncIterator:
         # Token 1 must not go out for a request no decode pod can take: check before prefill.
         self._require_decode_capacity()
         result, prefill_address = await self._run_prefill(pod_request_id, prompt_ids, sampling, deadline)
@@ -207,10 +159,10 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 self._metrics.ttft_seconds.observe(ttft)
             if hold is None:
                 return
-            async for token_ids, finish in self._run_decode(
-                pod_request_id, prompt_ids, sampling, generated, deadline, hold
-            ):
-                yield chunk(token_ids, finish)
+            decoded = self._run_decode(pod_request_id, prompt_ids, sampling, generated, deadline, hold)
+            async with contextlib.aclosing(decoded) as tokens:
+                async for token_ids, finish in tokens:
+                    yield chunk(token_ids, finish)
         finally:
             if hold is not None:
                 # No decode pod confirmed the pull: free the prefill hold now instead of at lease expiry.
@@ -237,7 +189,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     @staticmethod
     def _no_pick_error(pool: WorkerPool, reason: NoPick | None, last_error, tried: list[str]) -> RouteError:
-        if isinstance(last_error, _Stalled):
+        if isinstance(last_error, Stalled):
             return RouteError(grpc.StatusCode.UNAVAILABLE, f"{pool.tier} failed on {', '.join(tried)}: {last_error}")
         if last_error is not None:
             return RouteError(
@@ -263,12 +215,13 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 break
             tried.append(choice.address)
             try:
-                return await self._call_prefill(choice.address, request_id, prompt_ids, sampling, deadline), choice.address
+                result = await self._call_prefill(choice.address, request_id, prompt_ids, sampling, deadline)
+                return result, choice.address
             except ValueError as exc:
                 raise RouteError(
                     grpc.StatusCode.INTERNAL, f"prefill worker {choice.address} sent a bad response: {exc}"
                 ) from None
-            except _Stalled as exc:
+            except Stalled as exc:
                 last_error = exc
                 cause = str(exc)
             except grpc.aio.AioRpcError as exc:
@@ -277,7 +230,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     self._prefill.mark_unavailable(choice.address)
                 else:
-                    self._prefill.mark_overloaded(choice.address, _retry_after_s(exc))
+                    self._prefill.mark_overloaded(choice.address, retry_after_s(exc))
                 last_error = exc
                 cause = str(exc.code())
             self._count_retry("prefill")
@@ -285,7 +238,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         raise self._no_pick_error(self._prefill, reason, last_error, tried)
 
     async def _call_prefill(self, address, request_id, prompt_ids, sampling, deadline):
-        """One Prefill call; _Stalled when it has no answer after stall_timeout_s and the pod fails its
+        """One Prefill call; Stalled when it has no answer after stall_timeout_s and the pod fails its
         health probes too (frozen: a pod busy computing a long queue still answers them, and one slow
         probe alone does not give up a call about to be answered)."""
         stalled_at = time.monotonic() + self._config.stall_timeout_s
@@ -301,7 +254,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                     is_answered = True
                     return call.result()
                 if time.monotonic() >= stalled_at and not self._prefill.is_healthy(address):
-                    raise _Stalled(f"no answer from {address} for {self._config.stall_timeout_s} s, "
+                    raise Stalled(f"no answer from {address} for {self._config.stall_timeout_s} s, "
                                    "and it fails its health probes")
         finally:
             if not is_answered:
@@ -325,7 +278,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         # health probe finds them serving (a false stall, e.g. while the router itself was starved).
         failed: list[str] = []
         refused: list[str] = []  # overloaded since the last backoff
-        backoff = _Backoff(self._config.decode_admit_timeout_s)
+        backoff = Backoff(self._config.decode_admit_timeout_s)
         last_error = None
         while True:
             if len(generated) >= sampling.max_tokens:
@@ -344,23 +297,26 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 request_id, prompt_ids, list(generated), sampling, hold.handle if carries_handle else None
             )
             try:
-                async for token_ids, finish in self._decode_on(choice.address, work, generated, deadline, hold):
-                    backoff.reset()
-                    yield token_ids, finish
+                # Closed at once when the client goes away: that cancels the Decode call.
+                attempt = self._decode_on(choice.address, work, generated, deadline, hold)
+                async with contextlib.aclosing(attempt) as tokens:
+                    async for token_ids, finish in tokens:
+                        backoff.reset()
+                        yield token_ids, finish
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    retry_after_s = _retry_after_s(exc)
-                    self._decode.mark_overloaded(choice.address, retry_after_s)
+                    hint_s = retry_after_s(exc)
+                    self._decode.mark_overloaded(choice.address, hint_s)
                     refused.append(choice.address)
-                    backoff.hint(retry_after_s)
+                    backoff.hint(hint_s)
                     last_error = exc
                     continue
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise RouteError(exc.code(), f"decode worker {choice.address}: {exc.details()}") from None
                 last_error = exc
                 reason = str(exc.code())
-            except _Stalled as exc:
+            except Stalled as exc:
                 last_error = exc
                 reason = str(exc)
             # The pod died or froze, maybe mid-pull: never hand the same KV to another pod; recompute.
@@ -401,7 +357,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         raise RouteError(grpc.StatusCode.INTERNAL, f"decode worker {address} ended the stream without a finish reason")
 
     async def _next_message(self, call, address: str, deadline):
-        """The call's next message (or EOF); _Stalled when the pod sends nothing for stall_timeout_s
+        """The call's next message (or EOF); Stalled when the pod sends nothing for stall_timeout_s
         while the client's deadline still has more time than that."""
         remaining = deadline.remaining()
         if remaining is not None and remaining <= self._config.stall_timeout_s:
@@ -409,7 +365,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         try:
             return await asyncio.wait_for(call.read(), self._config.stall_timeout_s)
         except asyncio.TimeoutError:
-            raise _Stalled(f"no token from {address} for {self._config.stall_timeout_s} s") from None
+            raise Stalled(f"no token from {address} for {self._config.stall_timeout_s} s") from None
 
     @staticmethod
     def _decode_chunk(address: str, response) -> wire.DecodeChunk:

@@ -1,0 +1,110 @@
+"""Overload with the pods' default limits: the split system (router + prefill + decode processes on
+127.0.0.1) measured unloaded, at capacity, then offered twice its capacity. Prints the p50 latency of
+the served requests against the unloaded figure, the requests refused (and whether before or after
+token 1: after token 1 there must be none), and the peak decode queue.
+
+    python benchmarks/bench_overload.py [--input-len 128] [--output-len 64] [--duration 20]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+
+from pdserve.bench import BenchRequest, WorkloadConfig, generate_workload, run_workload
+from pdserve.bench_stats import RequestRecord, percentile
+from pdserve.client import AsyncPdserveClient
+from pdserve.launcher import LocalCluster
+from proto.pdserve.v1 import common_pb2, decode_pb2_grpc
+
+
+def _p50_e2e(records: list[RequestRecord]) -> float:
+    return percentile([r.e2e_s for r in records if r.is_success], 50)
+
+
+async def _unloaded(client: AsyncPdserveClient, requests: list[BenchRequest]) -> list[RequestRecord]:
+    """One request at a time."""
+    records = []
+    for request in requests:
+        done, _ = await run_workload(client, [replace(request, arrival_s=0.0)], progress=False,
+                                     id_prefix=f"unloaded-{time.time_ns()}")
+        records.extend(done)
+    return records
+
+
+async def _watch_decode_queue(address: str, peak: list[int], stop: asyncio.Event) -> None:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = decode_pb2_grpc.DecodeServiceStub(channel)
+        while not stop.is_set():
+            load = (await stub.GetLoad(common_pb2.GetLoadRequest(), timeout=5)).load
+            peak[0] = max(peak[0], load.num_waiting)
+            await asyncio.sleep(0.1)
+
+
+async def measure(router: str, decode: str, config: WorkloadConfig, duration_s: float) -> dict:
+    async with AsyncPdserveClient(router) as client:
+        await run_workload(client, generate_workload(replace(config, num_requests=4, seed=99)), progress=False,
+                           id_prefix="warmup")
+        unloaded = await _unloaded(client, generate_workload(replace(config, num_requests=12, seed=1)))
+        # Capacity: a burst of one full batch per pod, served requests per second.
+        burst = generate_workload(replace(config, num_requests=64, seed=2))
+        burst_records, burst_s = await run_workload(client, burst, progress=False, id_prefix="capacity")
+        capacity = sum(r.is_success for r in burst_records) / burst_s
+        rate = 2 * capacity
+        overload = generate_workload(replace(config, num_requests=max(1, round(rate * duration_s)), rate=rate, seed=3))
+        peak, stop = [0], asyncio.Event()
+        watcher = asyncio.create_task(_watch_decode_queue(decode, peak, stop))
+        records, _ = await run_workload(client, overload, progress=False, id_prefix="overload",
+                                        request_timeout_s=60)
+        stop.set()
+        await watcher
+    return {"unloaded": unloaded, "capacity": capacity, "rate": rate, "overload": records, "peak_queue": peak[0]}
+
+
+def report(figures: dict) -> str:
+    unloaded_p50 = _p50_e2e(figures["unloaded"])
+    records = figures["overload"]
+    served = [r for r in records if r.is_success]
+    refused_before = collections.Counter(r.error.split(":")[0] for r in records
+                                         if not r.is_success and r.num_output_tokens == 0)
+    failed_after = collections.Counter(r.error.split(":")[0] for r in records
+                                       if not r.is_success and r.num_output_tokens > 0)
+    served_p50 = _p50_e2e(records) if served else float("nan")
+    lines = [
+        f"unloaded (one at a time, {len(figures['unloaded'])} requests): p50 e2e {unloaded_p50 * 1000:.0f} ms",
+        f"capacity (burst of 64): {figures['capacity']:.1f} requests/s",
+        f"2x overload: offered {figures['rate']:.1f} requests/s, {len(records)} requests",
+        f"  served {len(served)}, p50 e2e {served_p50 * 1000:.0f} ms = {served_p50 / unloaded_p50:.2f}x unloaded "
+        f"(p90 {percentile([r.e2e_s for r in served], 90) * 1000:.0f} ms)" if served else "  served 0",
+        f"  refused before token 1: {dict(refused_before) or 0}",
+        f"  errors after token 1: {dict(failed_after) or 0}",
+        f"  peak decode queue (waiting requests): {figures['peak_queue']}",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds of 2x overload")
+    args = parser.parse_args()
+    config = WorkloadConfig(input_len=args.input_len, output_len=args.output_len, range_ratio=0.0)
+    with tempfile.TemporaryDirectory() as logs, LocalCluster.start(
+        pod_args=["--model", args.model], log_dir=Path(logs), timeout_s=600
+    ) as cluster:
+        figures = asyncio.run(measure(cluster.router.address, cluster.by_name("decode-0").address, config,
+                                      args.duration))
+    print(report(figures))
+
+
+if __name__ == "__main__":
+    main()
