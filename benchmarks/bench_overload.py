@@ -96,10 +96,15 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of 2x overload")
+    parser.add_argument("--max-requests-in-flight", type=int, default=None,
+                        help="the pods' admission limit (default: the pods' own default)")
     args = parser.parse_args()
     config = WorkloadConfig(input_len=args.input_len, output_len=args.output_len, range_ratio=0.0)
+    pod_args = ["--model", args.model]
+    if args.max_requests_in_flight is not None:
+        pod_args += ["--max-requests-in-flight", str(args.max_requests_in_flight)]
     with tempfile.TemporaryDirectory() as logs, LocalCluster.start(
-        pod_args=["--model", args.model], log_dir=Path(logs), timeout_s=600
+        pod_args=pod_args, log_dir=Path(logs), timeout_s=600
     ) as cluster:
         figures = asyncio.run(measure(cluster.router.address, cluster.by_name("decode-0").address, config,
                                       args.duration))
