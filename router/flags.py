@@ -4,7 +4,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-POLICIES = ("least-loaded", "round-robin")
+from router.kv_index import DEFAULT_MAX_BLOCKS_PER_POD
+from router.policy import DisaggregationRule, KvWeights
+
+POLICIES = ("least-loaded", "round-robin", "kv-aware")
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,14 @@ class RouterConfig:
     probe_timeout_s: float = 1.0
     grace_seconds: float = 5.0
     request_timeout_s: float = 600.0  # applies when the client sets no deadline: nothing waits forever
+    kv_weights: KvWeights = KvWeights()
+    disaggregation: DisaggregationRule = DisaggregationRule()
+    kv_index_max_blocks: int = DEFAULT_MAX_BLOCKS_PER_POD
+
+    @property
+    def needs_kv_index(self) -> bool:
+        """Only KV-aware picks and the short-suffix rule look at the pods' prefix caches."""
+        return self.policy == "kv-aware" or self.disaggregation.max_local_prefill_tokens > 0
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -98,6 +109,14 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.grace_seconds < 0:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
+        for name in ("prefix_weight", "load_weight"):
+            if not getattr(self.kv_weights, name) >= 0:
+                raise ValueError(f"kv {name} must be >= 0, got {getattr(self.kv_weights, name)}")
+        for name in ("max_local_prefill_tokens", "saturation_queue"):
+            if getattr(self.disaggregation, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self.disaggregation, name)}")
+        if self.kv_index_max_blocks < 1:
+            raise ValueError(f"kv_index_max_blocks must be >= 1, got {self.kv_index_max_blocks}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RouterConfig":
@@ -116,6 +135,11 @@ class RouterConfig:
             resolve_interval_s=args.resolve_interval,
             grace_seconds=args.grace_seconds,
             request_timeout_s=args.request_timeout,
+            kv_weights=KvWeights(prefix_weight=args.kv_prefix_weight, load_weight=args.kv_load_weight),
+            disaggregation=DisaggregationRule(
+                max_local_prefill_tokens=args.local_prefill_below, saturation_queue=args.prefill_saturation_queue
+            ),
+            kv_index_max_blocks=args.kv_index_max_blocks,
         )
 
 
@@ -142,4 +166,16 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="deadline (seconds) for calls that arrive without one")
     parser.add_argument("--grace-seconds", type=float, default=5.0, help="graceful shutdown period")
+    kv = parser.add_argument_group("KV-aware routing (policy kv-aware) and conditional disaggregation")
+    kv.add_argument("--kv-prefix-weight", type=float, default=KvWeights.prefix_weight,
+                    help="cost of one prompt token a pod lacks in its prefix cache (prefill computes, decode pulls it)")
+    kv.add_argument("--kv-load-weight", type=float, default=KvWeights.load_weight,
+                    help="cost of one request in a pod's queue, in the same units")
+    kv.add_argument("--kv-index-max-blocks", type=int, default=DEFAULT_MAX_BLOCKS_PER_POD,
+                    help="most block hashes the router keeps per pod (~120 bytes each)")
+    kv.add_argument("--local-prefill-below", type=int, default=0, metavar="TOKENS",
+                    help="send a request straight to a decode pod that lacks fewer prompt tokens than this (0: off)")
+    kv.add_argument("--prefill-saturation-queue", type=int, default=0, metavar="N",
+                    help="prefill is saturated when every prefill pod has N requests waiting; then a decode pod "
+                         "with a shorter queue computes the prompt itself (0: off)")
     return parser
