@@ -4,6 +4,7 @@ Writes results.json, summary.md (per-turn table and the verdict) and ttft_by_tur
 
 Run from the repo root:
     python benchmarks/bench_kv_routing.py [--repeats 2] [--out-dir docs/bench/kv_routing]
+    python benchmarks/bench_kv_routing.py --render-only   # table and plot again from results.json
 """
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ def plot(reports: list[dict], path: Path) -> None:
         axes[2].plot(turns, [100 * (t["prefix_hit_rate"] or 0) for t in report["turns"]], style, marker="o",
                      label=report["label"])
     for ax, name in zip(axes, ("TTFT p50 (ms)", "KV pulled (MiB)", "prefix hit rate (%)")):
+        ax.set_xticks(range(1, len(reports[0]["turns"]) + 1))
         ax.set_xlabel("turn")
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
@@ -89,15 +91,7 @@ def plot(reports: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--num-conversations", type=int, default=8)
-    parser.add_argument("--num-turns", type=int, default=5)
-    parser.add_argument("--think-time-s", type=float, default=0.3)
-    parser.add_argument("--out-dir", type=Path, default=Path("docs/bench/kv_routing"))
-    parser.add_argument("--log-dir", type=Path, default=Path("out/bench_kv_routing/logs"))
-    args = parser.parse_args()
+def run_arms(args: argparse.Namespace) -> list[dict]:
     config = MultiTurnConfig(num_conversations=args.num_conversations, num_turns=args.num_turns,
                              system_prompt_len=256, user_len=48, output_len=64, think_time_s=args.think_time_s)
     reports = []
@@ -106,17 +100,37 @@ def main() -> int:
         for name in order:
             print(f"repeat {repeat + 1}: {name} ...", file=sys.stderr, flush=True)
             reports.append(run_arm(name, config, args.log_dir, repeat))
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     for report in reports:
         for turn in report["turns"]:
             turn.pop("ttft_values_ms")
-    (args.out_dir / "results.json").write_text(json.dumps(reports, indent=1))
-    lines = verdict(reports)
+    return reports
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--num-conversations", type=int, default=8)
+    parser.add_argument("--num-turns", type=int, default=5)
+    parser.add_argument("--think-time-s", type=float, default=0.3)
+    parser.add_argument("--out-dir", type=Path, default=Path("docs/bench/kv_routing"))
+    parser.add_argument("--log-dir", type=Path, default=Path("out/bench_kv_routing/logs"))
+    parser.add_argument("--render-only", action="store_true", help="rewrite summary.md and the plot from results.json")
+    args = parser.parse_args()
+    results = args.out_dir / "results.json"
+    if args.render_only:
+        reports = json.loads(results.read_text())
+    else:
+        reports = run_arms(args)
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps(reports, indent=1))
+    loads = ", ".join(f"{r['label']} {r['load_average'][0]:.1f}" for r in reports)
     summary = (
         "# KV-aware routing vs least-loaded (multi-turn)\n\n"
-        f"Command: `python benchmarks/bench_kv_routing.py --repeats {args.repeats}`; workload "
-        f"`{json.dumps(config.__dict__)}`; pods `{' '.join(POD_ARGS)}`; kv-aware router "
-        f"`{' '.join(ARMS['kv-aware'])}`. Medians over repeats:\n\n" + "\n".join(lines) + "\n\n"
+        f"Command: `python benchmarks/bench_kv_routing.py --repeats {len(reports) // len(ARMS)}`; workload "
+        f"`{json.dumps(reports[0]['workload'])}`; pods `{' '.join(POD_ARGS)}`; kv-aware router "
+        f"`{' '.join(ARMS['kv-aware'])}`. Load average (1 min) after each arm, on a 2-core machine shared with "
+        f"other work: {loads}. Medians over repeats:\n\n" + "\n".join(verdict(reports)) + "\n\n"
+        "Per turn (out tok/s: the turn's output tokens over its wall time, think times included):\n\n"
         + markdown_table(reports)
     )
     (args.out_dir / "summary.md").write_text(summary)
