@@ -14,11 +14,12 @@ from router.flags import RouterConfig, build_arg_parser
 from router.kv_index import KvIndex
 from router.kv_subscriptions import KvEventSubscriptions
 from router.metrics import RouterMetrics
-from router.servicer import RouterServicer, RouterSettings
+from router.servicer import RouterServicer
 from shared.serving.text import TextCodec
-from router.workers import PoolSettings, WorkerPool
+from router.workers import WorkerPool
 from shared.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServerOptions
 from shared.serving.metrics import start_metrics_server
+from shared.serving.prefill_client import PrefillClient
 from shared.serving.telemetry import TracingConfig, setup_tracing
 
 logger = logging.getLogger("router")
@@ -49,31 +50,26 @@ async def run(config: RouterConfig, *, env: dict[str, str], codec: TextCodec | N
         if subscriptions is not None:
             subscriptions.sync([*prefill.addresses, *decode.addresses])
 
-    settings = PoolSettings(
-        health_interval_s=config.health_interval_s,
-        resolve_interval_s=config.resolve_interval_s,
-        probe_timeout_s=config.probe_timeout_s,
+    pool_wiring = dict(
         channel_options=[
             ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
         ],
         interceptors=tracing.client_interceptors(),
+        on_poll=update_health,
     )
     # Each router replica follows every pod's KV events itself: same events, same index.
     kv_index = KvIndex(config.kv_index_max_blocks) if config.needs_kv_index else None
-    subscriptions = KvEventSubscriptions(kv_index, settings.channel_options) if kv_index is not None else None
-    prefill = WorkerPool("prefill", config.prefill, prefill_pb2_grpc.PrefillServiceStub, PREFILL_SERVICE, settings,
-                         on_poll=update_health)
-    decode = WorkerPool("decode", config.decode, decode_pb2_grpc.DecodeServiceStub, DECODE_SERVICE, settings,
-                        on_poll=update_health)
-    servicer = RouterServicer(
-        prefill, decode,
-        RouterSettings(
-            config.policy, config.max_prefill_retries, config.max_decode_retries, config.request_timeout_s,
-            config.kv_weights, config.disaggregation,
-        ),
-        codec=codec, metrics=metrics, tracer=tracing.tracer, kv_index=kv_index,
+    subscriptions = KvEventSubscriptions(kv_index, pool_wiring["channel_options"]) if kv_index is not None else None
+    prefill = WorkerPool(
+        "prefill", config.prefill, prefill_pb2_grpc.PrefillServiceStub, PREFILL_SERVICE, config.pool,
+        client_class=lambda channel: PrefillClient(channel, config.prefill_client), **pool_wiring,
     )
+    decode = WorkerPool(
+        "decode", config.decode, decode_pb2_grpc.DecodeServiceStub, DECODE_SERVICE, config.pool, **pool_wiring
+    )
+    servicer = RouterServicer(prefill, decode, config, codec=codec, metrics=metrics, tracer=tracing.tracer,
+                              kv_index=kv_index)
     server.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer, GENERATE_SERVICE)
     server.on_shutdown(servicer.drain)
     try:

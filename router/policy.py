@@ -3,9 +3,10 @@ KV-aware (cached prefix against load), and the conditional-disaggregation decisi
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Collection, Mapping, Sequence
 
+from shared.serving.settings import setting
 from shared.serving.wire import LoadReport
 
 
@@ -83,8 +84,18 @@ class KvWeights:
     """KV-aware cost of a worker: prefix_weight per prompt token it lacks in its prefix cache (prefill
     computes it, decode pulls it) plus load_weight per request in its queue."""
 
-    prefix_weight: float = 1.0
-    load_weight: float = 64.0
+    prefix_weight: float = field(default=1.0, metadata=setting(
+        "kv-aware: cost of one prompt token a pod lacks in its prefix cache (prefill computes, decode pulls it)",
+        flag="--kv-prefix-weight",
+    ))
+    load_weight: float = field(default=64.0, metadata=setting(
+        "kv-aware: cost of one request in a pod's queue, in the same units", flag="--kv-load-weight"
+    ))
+
+    def __post_init__(self) -> None:
+        for name in ("prefix_weight", "load_weight"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 def kv_cost(worker: WorkerView, num_prompt_tokens: int, num_cached_tokens: int, weights: KvWeights) -> float:
@@ -150,8 +161,19 @@ class DisaggregationRule:
     saturation_queue: prefill is saturated when every prefill worker has at least this many requests
     waiting (or is overloaded); the decode pod takes the prompt then if its own queue is shorter."""
 
-    max_local_prefill_tokens: int = 0
-    saturation_queue: int = 0
+    max_local_prefill_tokens: int = field(default=0, metadata=setting(
+        "send a request straight to a decode pod that lacks fewer prompt tokens than this (0: off)",
+        flag="--local-prefill-below",
+    ))
+    saturation_queue: int = field(default=0, metadata=setting(
+        "prefill is saturated when every prefill pod has this many requests waiting; a decode pod with a "
+        "shorter queue then computes the prompt itself (0: off)", flag="--prefill-saturation-queue",
+    ))
+
+    def __post_init__(self) -> None:
+        for name in ("max_local_prefill_tokens", "saturation_queue"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

@@ -12,19 +12,19 @@ from typing import AsyncIterator
 import grpc
 from opentelemetry import trace
 
-from proto.pdserve.v1 import generate_pb2_grpc, prefill_pb2
+from proto.pdserve.v1 import generate_pb2_grpc
+from router.flags import RouterConfig
 from router.kv_index import KvIndex, PromptHashes
 from router.metrics import RouterMetrics
-from router.policy import DisaggregationRule, KvWeights, NoPick, Route, RouteDecision, RouteReason, decide_route, pick
+from router.policy import NoPick, Route, RouteDecision, RouteReason, decide_route, pick
 from shared.serving.text import TextCodec
 from router.workers import WorkerPool
 from shared.serving import convert, wire
+from shared.engine.kv_transfer.handle import KvHandle, KvPullStats
 from shared.engine.request import FinishReason, SamplingParams
+from shared.serving.outcomes import CANCELLED, ERROR, OK, outcome_of_code
 
 logger = logging.getLogger(__name__)
-
-RELEASE_TIMEOUT_S = 2.0
-
 
 class RouteError(Exception):
     """Ends the client's call with this status."""
@@ -50,16 +50,6 @@ class _Deadline:
         return left
 
 
-@dataclass(frozen=True)
-class RouterSettings:
-    policy: str = "least-loaded"
-    max_prefill_retries: int = 2
-    max_decode_retries: int = 2
-    request_timeout_s: float | None = None  # deadline for calls that arrive without one
-    kv_weights: KvWeights = KvWeights()
-    disaggregation: DisaggregationRule = DisaggregationRule()
-
-
 @dataclass
 class _Hold:
     """A prefill pod's KV hold for one request; settled once a decode pod has confirmed (or the router
@@ -67,7 +57,7 @@ class _Hold:
 
     prefill_address: str
     request_id: str
-    handle: convert.KvHandle
+    handle: KvHandle
     is_settled: bool = False
 
 
@@ -80,7 +70,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         self,
         prefill: WorkerPool,
         decode: WorkerPool,
-        settings: RouterSettings,
+        config: RouterConfig,
         codec: TextCodec | None = None,
         metrics: RouterMetrics | None = None,
         tracer: trace.Tracer | None = None,
@@ -88,7 +78,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
     ):
         self._prefill = prefill
         self._decode = decode
-        self._settings = settings
+        self._config = config
         self._codec = codec
         self._metrics = metrics
         self._tracer = tracer or trace.NoOpTracer()
@@ -102,7 +92,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         # Pods key holds by request id, and two clients may pick the same one: suffix it downstream.
         pod_request_id = f"{request_id}.{uuid.uuid4().hex[:8]}" if request.request_id else request_id
         start = time.monotonic()
-        outcome = "error"
+        outcome = ERROR
         try:
             prompt_ids, sampling = self._validate(request)
             # The server span (from the tracing interceptor, when on) is current here.
@@ -111,37 +101,29 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             span.set_attribute("pdserve.num_prompt_tokens", len(prompt_ids))
             span.set_attribute("pdserve.max_tokens", sampling.max_tokens)
             remaining = context.time_remaining()
-            deadline = _Deadline(self._settings.request_timeout_s if remaining is None else remaining)
+            deadline = _Deadline(self._config.request_timeout_s if remaining is None else remaining)
             text = self._codec.stream() if self._codec is not None else None
             async for chunk in self._route(request_id, pod_request_id, prompt_ids, sampling, deadline, text, start):
                 yield chunk
-            outcome = "ok"
+            outcome = OK
         except RouteError as exc:
-            outcome = exc.code.name.lower()
+            outcome = outcome_of_code(exc.code)
             await context.abort(exc.code, exc.message)
         except asyncio.CancelledError:
-            outcome = "cancelled"
+            outcome = CANCELLED
             raise
         finally:
             if self._metrics is not None:
                 self._metrics.requests.labels(outcome=outcome).inc()
 
     def _validate(self, request) -> tuple[list[int], SamplingParams]:
+        encode = self._codec.encode if self._codec is not None else None
         try:
-            prompt = convert.generate_prompt_from_proto(request)
-            sampling = convert.sampling_params_from_proto(request.sampling if request.HasField("sampling") else None)
+            return convert.generate_input_from_proto(
+                request, encode, no_tokenizer_hint="start the router with --tokenizer"
+            )
         except ValueError as exc:
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        if isinstance(prompt, str):
-            if self._codec is None:
-                raise RouteError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    "text prompts need a tokenizer: start the router with --tokenizer, or send token_ids",
-                )
-            prompt = self._codec.encode(prompt)
-            if not prompt:
-                raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, "prompt text encodes to no tokens")
-        return prompt, sampling
 
     async def _route(self, request_id, pod_request_id, prompt_ids, sampling, deadline, text, start) -> AsyncIterator:
         prompt = PromptHashes(prompt_ids)
@@ -187,16 +169,16 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
     def _decide(self, prompt: PromptHashes) -> RouteDecision:
         """Split, or decode-only when the decode pod this request would go to lacks little of the prompt
         (or prefill is saturated); recorded on the route span and in a metric."""
-        rule = self._settings.disaggregation
+        rule = self._config.disaggregation
         num_uncached = prompt.num_tokens
         decision = RouteDecision(Route.SPLIT, RouteReason.PREFILL_NEEDED)
         with self._tracer.start_as_current_span("route decision") as span:
             if rule.max_local_prefill_tokens > 0 or rule.saturation_queue > 0:
                 views = self._decode.views()
                 cached = self._cached_tokens(views, prompt)
-                choice = pick(self._settings.policy, views, self._turns[self._decode.tier],
+                choice = pick(self._config.policy, views, self._turns[self._decode.tier],
                               num_prompt_tokens=prompt.num_tokens, cached_tokens=cached,
-                              weights=self._settings.kv_weights)
+                              weights=self._config.kv_weights)
                 decode_view = next((v for v in views if v.address == choice.address), None)
                 if decode_view is not None:
                     num_uncached = prompt.num_tokens - cached.get(decode_view.address, 0)
@@ -222,10 +204,10 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         self._turns[pool.tier] = turn + 1
         with self._tracer.start_as_current_span(f"route {pool.tier}") as span:
             views = pool.views()
-            cached = self._cached_tokens(views, prompt) if self._settings.policy == "kv-aware" else {}
-            choice = pick(self._settings.policy, views, turn, exclude, num_prompt_tokens=prompt.num_tokens,
-                          cached_tokens=cached, weights=self._settings.kv_weights)
-            span.set_attribute("pdserve.policy", self._settings.policy)
+            cached = self._cached_tokens(views, prompt) if self._config.policy == "kv-aware" else {}
+            choice = pick(self._config.policy, views, turn, exclude, num_prompt_tokens=prompt.num_tokens,
+                          cached_tokens=cached, weights=self._config.kv_weights)
+            span.set_attribute("pdserve.policy", self._config.policy)
             span.set_attribute("pdserve.worker", choice.address or "")
             if choice.address is not None and cached:
                 span.set_attribute("pdserve.kv.cached_tokens", cached.get(choice.address, 0))
@@ -250,19 +232,24 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     # ---- prefill ------------------------------------------------------------------------------
     async def _run_prefill(self, request_id, prompt: PromptHashes, sampling, deadline):
-        message = convert.prefill_request_to_proto(request_id, prompt.token_ids, sampling)
         tried: list[str] = []
         last_error = None
         reason = None
-        for _ in range(1 + self._settings.max_prefill_retries):
+        for _ in range(1 + self._config.max_prefill_retries):
             choice = self._pick(self._prefill, tried, prompt)
             if choice.address is None:
                 reason = choice.reason
                 break
             tried.append(choice.address)
             try:
-                with self._prefill.use(choice.address) as stub:
-                    response = await stub.Prefill(message, timeout=deadline.remaining())
+                with self._prefill.use(choice.address) as client:
+                    result = await client.prefill(
+                        request_id, prompt.token_ids, sampling, timeout_s=deadline.remaining()
+                    )
+            except ValueError as exc:
+                raise RouteError(
+                    grpc.StatusCode.INTERNAL, f"prefill worker {choice.address} sent a bad response: {exc}"
+                ) from None
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _RETRYABLE:
                     raise RouteError(exc.code(), f"prefill worker {choice.address}: {exc.details()}") from None
@@ -274,12 +261,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                     "request %s: prefill on %s failed (%s), retrying", request_id, choice.address, exc.code()
                 )
                 continue
-            try:
-                return convert.prefill_result_from_proto(response), choice.address
-            except ValueError as exc:
-                raise RouteError(
-                    grpc.StatusCode.INTERNAL, f"prefill worker {choice.address} sent a bad response: {exc}"
-                ) from None
+            return result, choice.address
         raise self._no_pick_error(self._prefill, reason, last_error, tried)
 
     # ---- decode -------------------------------------------------------------------------------
@@ -290,7 +272,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         tried: list[str] = []
         last_error = None
         reason = None
-        for _ in range(1 + self._settings.max_decode_retries):
+        for _ in range(1 + self._config.max_decode_retries):
             if len(generated) >= sampling.max_tokens:
                 # A pod died right after the last token but before saying so: the request is complete.
                 yield [], FinishReason.LENGTH
@@ -350,7 +332,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         except ValueError as exc:
             raise RouteError(grpc.StatusCode.INTERNAL, f"decode worker {address} sent a bad message: {exc}") from None
 
-    def _record_pull(self, request_id: str, stats: convert.KvPullStats | None) -> None:
+    def _record_pull(self, request_id: str, stats: KvPullStats | None) -> None:
         if stats is None:
             return
         logger.debug("request %s: kv pull %s, %d blocks, %d bytes in %.4fs", request_id,
@@ -382,11 +364,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     async def _release(self, hold: "_Hold") -> None:
         try:
-            with self._prefill.use(hold.prefill_address) as stub:
-                await stub.ReleaseKv(
-                    prefill_pb2.ReleaseKvRequest(request_id=hold.request_id, engine_id=hold.handle.engine_id),
-                    timeout=RELEASE_TIMEOUT_S,
-                )
+            with self._prefill.use(hold.prefill_address) as client:
+                await client.release_kv(hold.request_id, hold.handle.engine_id)
         except (grpc.aio.AioRpcError, LookupError) as exc:
             # The lease expiry frees the blocks anyway; this only makes it sooner.
             logger.info(

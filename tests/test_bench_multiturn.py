@@ -47,6 +47,7 @@ def colocated_server(tmp_path_factory):
         service.stop()
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_later_turns_hit_the_prefix_cache(colocated_server, tmp_path, capsys):
     out = tmp_path / "report.json"

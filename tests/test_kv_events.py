@@ -4,6 +4,7 @@ subscriber starts from a snapshot, and a restarted pod (new engine id) replaces 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 
@@ -24,7 +25,12 @@ ADDRESS = "10.0.0.1:50071"
 
 def _pod() -> Pod:
     # 16 usable blocks: a handful of 20-40 token requests already forces evictions.
-    pod = Pod(None, PodConfig(model="tiny", block_size=BLOCK_SIZE, num_blocks=17, max_model_len=128))
+    defaults = PodConfig()
+    pod = Pod(None, PodConfig(
+        model="tiny",
+        scheduler=dataclasses.replace(defaults.scheduler, max_model_len=128),
+        cache=dataclasses.replace(defaults.cache, block_size=BLOCK_SIZE, num_blocks=17),
+    ))
     pod.start()
     return pod
 
@@ -58,6 +64,7 @@ async def _until(predicate, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
+@pytest.mark.e2e  # runs real engines (in-process)
 def test_index_follows_store_evict_snapshot_and_restart():
     async def scenario() -> None:
         rng = random.Random(7)
@@ -105,6 +112,7 @@ def test_index_follows_store_evict_snapshot_and_restart():
     asyncio.run(asyncio.wait_for(scenario(), 120))
 
 
+@pytest.mark.e2e
 def test_the_pool_hook_is_off_without_subscribers():
     async def scenario() -> None:
         pod = _pod()

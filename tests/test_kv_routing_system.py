@@ -20,6 +20,8 @@ from shared.engine.request import SamplingParams
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.serving import convert
 
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
 BLOCK_SIZE = 16
 LOCAL_PREFILL_BELOW = 48
 MODEL_ARGS = ["--model", "tiny", "--seed", "0", "--block-size", str(BLOCK_SIZE), "--num-blocks", "512"]
