@@ -20,7 +20,7 @@ from shared.engine.request import SamplingParams
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.serving import convert
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.e2e
 
 BLOCK_SIZE = 16
 LOCAL_PREFILL_BELOW = 48
