@@ -71,6 +71,19 @@ class EngineCounters:
 SMALL_STEP_TOKENS = 16
 
 
+def _check_pool_holds_model_len(max_model_len: int, cache_config: CacheConfig) -> None:
+    """A request of max_model_len tokens must fit the KV pool on its own; otherwise a long enough
+    request would wait forever for blocks that can never be free at once."""
+    pool_tokens = (cache_config.num_blocks - 1) * cache_config.block_size  # block 0 is reserved
+    if max_model_len > pool_tokens:
+        needed = -(-max_model_len // cache_config.block_size) + 1
+        raise ValueError(
+            f"max_model_len {max_model_len} does not fit the KV pool: {cache_config.num_blocks} blocks of "
+            f"{cache_config.block_size} tokens hold {pool_tokens} tokens (one block is reserved); "
+            f"use at least {needed} blocks or a max_model_len of at most {pool_tokens}"
+        )
+
+
 class LLMEngine:
     def __init__(self, model: LoadedModel | str | Path, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, connector: KVConnectorBase | None = None, *,
@@ -80,7 +93,8 @@ class LLMEngine:
         seed: the built-in random weights' seed and the source of unseeded requests' seeds.
         num_threads: torch intra-op threads (None leaves torch's setting alone).
         device: where the model and the KV pool live ("cpu", "cuda", "cuda:1").
-        scheduler_config.max_model_len is capped at the model's max_position_embeddings."""
+        scheduler_config.max_model_len is capped at the model's max_position_embeddings; ValueError when
+        the KV pool cannot hold a request of that length."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self._max_threads = torch.get_num_threads()
@@ -101,6 +115,7 @@ class LLMEngine:
             scheduler_config = dataclasses.replace(
                 scheduler_config, max_model_len=self.model_config.max_position_embeddings
             )
+        _check_pool_holds_model_len(scheduler_config.max_model_len, cache_config)
         eos_ids = self.model_config.eos_token_ids
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
         self.scheduler_config = scheduler_config

@@ -1,0 +1,148 @@
+"""Checkpoint shapes beyond the basic Llama/Qwen2/Mistral ones, token for token against transformers on
+the same random weights: attention and MLP biases, Qwen3's per-head q/k norms, sliding-window attention
+with prompts longer than the window (plain, chunked prefill, prefix-cache hits, both decode attention
+paths), small and odd head sizes, one KV head, and bfloat16.
+
+Each engine test runs under a timeout: small head sizes used to make the decode kernel loop forever.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from shared.engine.llm_engine import LLMEngine  # noqa: E402
+from shared.engine.model import attention  # noqa: E402
+from shared.engine.model.loader import random_model, save_pretrained  # noqa: E402
+from shared.engine.model.model_config import ModelArchConfig  # noqa: E402
+from shared.engine.request import SamplingParams  # noqa: E402
+from shared.engine.sched_config import CacheConfig, SchedulerConfig  # noqa: E402
+
+NUM_OUTPUT = 12
+BLOCK_SIZE = 8
+WINDOW = 20
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+             max_position_embeddings=256, bos_token_id=None, eos_token_id=None)
+
+
+def _config(**overrides) -> ModelArchConfig:
+    return ModelArchConfig(**{**SMALL, **overrides})
+
+
+SHAPES = {
+    "llama-attention-and-mlp-bias": _config(attention_bias=True, mlp_bias=True),
+    "qwen3": _config(model_type="qwen3", head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6),
+    "qwen3-bias-tied": _config(model_type="qwen3", attention_bias=True, tie_word_embeddings=True),
+    "mistral-sliding-window": _config(model_type="mistral", sliding_window=WINDOW),
+    # The first layer full, the second sliding (Qwen2's max_window_layers = 1).
+    "qwen2-sliding-window": _config(model_type="qwen2", sliding_window=WINDOW,
+                                    layer_types=("full_attention", "sliding_attention")),
+    "qwen3-sliding-window": _config(model_type="qwen3", sliding_window=WINDOW,
+                                    layer_types=("sliding_attention", "sliding_attention")),
+    # head_dim x 4 bytes under 64: the decode kernel's prefetcher used to stall on these.
+    "llama-head-dim-8": _config(hidden_size=32, num_heads=4, num_kv_heads=2),
+    "llama-head-dim-12-one-kv-head": _config(hidden_size=48, num_heads=4, num_kv_heads=1),
+    "mistral-one-kv-head": _config(model_type="mistral", num_kv_heads=1),
+}
+
+_rng = random.Random(99)
+PROMPTS = [[_rng.randrange(256) for _ in range(n)] for n in (5, 19, 21, 45, 70)]
+_prefix = [_rng.randrange(256) for _ in range(40)]
+PREFIX_PROMPTS = [_prefix + [_rng.randrange(256) for _ in range(n)] for n in (3, 30)]
+
+
+def _save(config: ModelArchConfig, path) -> transformers.PreTrainedModel:
+    save_pretrained(random_model(config, seed=11), path)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", dtype=config.torch_dtype).eval()
+
+
+def _hf_greedy(hf, prompt: list[int], num_tokens: int = NUM_OUTPUT) -> list[int]:
+    with torch.no_grad():
+        ids = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False, pad_token_id=0)
+    return ids[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> (model dir, {prompt: transformers' greedy tokens})."""
+    out = {}
+    for name, config in SHAPES.items():
+        path = tmp_path_factory.mktemp(name)
+        hf = _save(config, path)
+        out[name] = (path, {tuple(p): _hf_greedy(hf, p) for p in PROMPTS + PREFIX_PROMPTS})
+    return out
+
+
+def _engine(path, max_num_batched_tokens: int = 512, dtype: str | None = None) -> LLMEngine:
+    return LLMEngine(path, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
+                                           max_model_len=256),
+                     CacheConfig(block_size=BLOCK_SIZE, num_blocks=128, enable_prefix_caching=True), dtype=dtype)
+
+
+def _check(engine: LLMEngine, prompts, references) -> None:
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=NUM_OUTPUT, ignore_eos=True))
+    for prompt, output in zip(prompts, outputs):
+        assert output.token_ids == references[tuple(prompt)], f"prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_greedy_tokens_match_transformers(checkpoints, name):
+    path, references = checkpoints[name]
+    _check(_engine(path), PROMPTS, references)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-sliding-window"])
+def test_sliding_window_under_chunked_prefill_and_prefix_hits(checkpoints, name):
+    path, references = checkpoints[name]
+    engine = _engine(path, max_num_batched_tokens=16)  # every prompt longer than the window is chunked
+    _check(engine, PROMPTS, references)
+    _check(engine, PREFIX_PROMPTS[:1], references)
+    hits_before = engine.counters.num_prefix_hit_tokens
+    _check(engine, PREFIX_PROMPTS, references)
+    assert engine.counters.num_prefix_hit_tokens - hits_before >= 2 * 40 // BLOCK_SIZE * BLOCK_SIZE
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-sliding-window", "llama-head-dim-8"])
+def test_gather_decode_path_matches_too(checkpoints, name, monkeypatch):
+    """Without the C++ kernel (another device, no compiler) decodes take the gather + SDPA path."""
+    path, references = checkpoints[name]
+    engine = _engine(path)
+    monkeypatch.setattr(engine.runner, "_uses_decode_kernel", False)
+    calls = []
+    original = attention.paged_decode_attention
+    monkeypatch.setattr(attention, "paged_decode_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    _check(engine, PROMPTS, references)
+    assert not calls
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("head_dim", [8, 12])
+def test_bfloat16_small_head_sizes_finish_and_match_the_float32_path_closely(tmp_path, head_dim):
+    """bfloat16 rounds differently from transformers' eager kernels, so tokens are compared with the
+    engine's own gather + SDPA path in bfloat16 (what must hold: the kernel ends, and agrees)."""
+    config = _config(hidden_size=4 * head_dim, num_heads=4, num_kv_heads=1, dtype="bfloat16")
+    save_pretrained(random_model(config, seed=5), tmp_path)
+    kernel_engine = _engine(tmp_path, dtype="bfloat16")
+    gather_engine = _engine(tmp_path, dtype="bfloat16")
+    gather_engine.runner._uses_decode_kernel = False
+    params = SamplingParams(max_tokens=NUM_OUTPUT, ignore_eos=True)
+    with_kernel = kernel_engine.generate(PROMPTS, params)
+    with_gather = gather_engine.generate(PROMPTS, params)
+    matches = sum(a.token_ids == b.token_ids for a, b in zip(with_kernel, with_gather))
+    assert all(len(out.token_ids) == NUM_OUTPUT for out in with_kernel)
+    assert matches >= len(PROMPTS) - 1
+
+
+def test_window_longer_than_every_prompt_changes_nothing(checkpoints):
+    """The model length is no longer capped at the window: a Mistral checkpoint keeps its positions."""
+    config = ModelArchConfig.from_hf_dict({**SHAPES["mistral-sliding-window"].to_hf_dict(),
+                                           "max_position_embeddings": 4096})
+    assert config.max_position_embeddings == 4096 and config.sliding_window == WINDOW
