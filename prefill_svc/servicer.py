@@ -32,10 +32,11 @@ HOLD_SHUTDOWN = "shutdown"  # the pod stopped while holding
 
 
 def first_token_finish_reason(
-    token_id: int, params: SamplingParams, eos_token_id: int | None, num_prompt_tokens: int, max_model_len: int
+    token_id: int, params: SamplingParams, eos_token_ids: tuple[int, ...], num_prompt_tokens: int,
+    max_model_len: int,
 ) -> FinishReason | None:
     """Whether token 1 already ends the request, checked in the scheduler's order (stop tokens, then length)."""
-    if token_id in params.stop_token_ids or (token_id == eos_token_id and not params.ignore_eos):
+    if token_id in params.stop_token_ids or (token_id in eos_token_ids and not params.ignore_eos):
         return FinishReason.STOP
     if params.max_tokens == 1 or num_prompt_tokens + 1 >= max_model_len:
         return FinishReason.LENGTH
@@ -125,7 +126,7 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
         handle = (final.kv_transfer_params or {}).get(REMOTE_HANDLE)
         num_prompt = len(work.prompt_token_ids)
         reason = first_token_finish_reason(
-            token_id, work.sampling, self.pod.eos_token_id, num_prompt, self.pod.max_model_len
+            token_id, work.sampling, self.pod.eos_token_ids, num_prompt, self.pod.max_model_len
         )
         if handle is not None:
             self._trace_hold(work.request_id, handle, parent)

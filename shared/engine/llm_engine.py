@@ -116,8 +116,9 @@ class LLMEngine:
                 scheduler_config, max_model_len=self.model_config.max_position_embeddings
             )
         _check_pool_holds_model_len(scheduler_config.max_model_len, cache_config)
-        eos_ids = self.model_config.eos_token_ids
-        self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
+        self.generation = self.loaded.generation
+        self.eos_token_ids = self.generation.eos_token_ids  # any of them ends a request
+        self.eos_token_id: int | None = self.generation.eos_token_id  # the primary one
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.connector = connector
@@ -142,6 +143,8 @@ class LLMEngine:
             raise ValueError(
                 f"request {request.request_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
             )
+        if len(self.eos_token_ids) > 1:
+            request.add_eos_token_ids(self.eos_token_ids[1:])
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> None:
@@ -196,9 +199,9 @@ class LLMEngine:
     def generate(self, prompts: Sequence[Sequence[int] | str],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:
         """Run prompts (token ids, or text when the model has a tokenizer) to completion; outputs in
-        prompt order."""
+        prompt order. Without sampling_params, the checkpoint's generation_config.json defaults apply."""
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.generation.sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):

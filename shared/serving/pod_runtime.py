@@ -107,6 +107,7 @@ class Pod:
         self.tokenizer = loaded.tokenizer
         self.vocab_size = model_config.vocab_size
         self.eos_token_id = self.engine.eos_token_id
+        self.eos_token_ids = self.engine.eos_token_ids
         self.max_model_len = max_model_len
 
     def start(self) -> None:

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from shared.engine.model.generation_config import GenerationDefaults, generation_defaults
 from shared.engine.model.model_config import PRESETS, ModelArchConfig, preset
 from shared.engine.model.llama import LlamaModel
 
@@ -23,13 +24,15 @@ class LoadedModel:
     config: ModelArchConfig
     model: LlamaModel
     tokenizer: Any | None  # tokenizers.Tokenizer when the directory has tokenizer.json
+    generation: GenerationDefaults  # every EOS id and the default sampling parameters
 
 
 def load_model(source: str | Path, dtype: str | None = None, seed: int = 0) -> LoadedModel:
     """source: a preset name ("tiny", "100m") for random weights from seed, or an HF model directory."""
     if isinstance(source, str) and source in PRESETS:
         config = preset(source, dtype or "float32")
-        return LoadedModel(config=config, model=random_model(config, seed), tokenizer=None)
+        return LoadedModel(config=config, model=random_model(config, seed), tokenizer=None,
+                           generation=generation_defaults(config.eos_token_ids, None))
     path = Path(source)
     if not path.is_dir():
         raise ValueError(f"model {str(source)!r} is neither a built-in ({sorted(PRESETS)}) nor a directory")
@@ -39,7 +42,8 @@ def load_model(source: str | Path, dtype: str | None = None, seed: int = 0) -> L
     config = ModelArchConfig.from_json_file(config_path, dtype=dtype)
     model = LlamaModel(config)
     load_hf_weights(model, _read_safetensors(path, config.torch_dtype))
-    return LoadedModel(config=config, model=model.eval(), tokenizer=load_tokenizer(path))
+    return LoadedModel(config=config, model=model.eval(), tokenizer=load_tokenizer(path),
+                       generation=generation_defaults(config.eos_token_ids, path))
 
 
 def load_tokenizer(path: Path) -> Any | None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from shared.engine.model.fidelity import SUPPORTED_MODEL_TYPES, check_fidelity
+from shared.engine.model.generation_config import eos_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_PRESET = "tiny"
@@ -119,11 +120,7 @@ class ModelArchConfig:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        if self.eos_token_id is None:
-            return ()
-        if isinstance(self.eos_token_id, int):
-            return (self.eos_token_id,)
-        return tuple(self.eos_token_id)
+        return eos_ids(self.eos_token_id)
 
     def with_dtype(self, dtype: str) -> "ModelArchConfig":
         return dataclasses.replace(self, dtype=dtype)
