@@ -170,3 +170,18 @@ def test_a_prompt_longer_than_the_pool_is_refused_at_admission_not_left_waiting(
     # The longest request the pool holds still runs to completion.
     [out] = engine.generate([list(range(1, 140))], SamplingParams(max_tokens=8, ignore_eos=True))
     assert len(out.token_ids) == 5 and out.finish_reason.value == "length"
+
+
+# ---- --dtype auto ---------------------------------------------------------------------------------------
+
+def test_dtype_auto_is_the_checkpoint_dtype_on_a_gpu_and_float32_on_the_cpu(tmp_path, caplog):
+    save_pretrained(random_model(ModelArchConfig(**{**SMALL.__dict__, "dtype": "bfloat16"}), seed=3), tmp_path)
+    with caplog.at_level("INFO", logger="shared.engine.model.loader"):
+        assert load_model(tmp_path, dtype="auto", device="cpu").config.dtype == "float32"
+        # Resolved, not moved: the weights load on the CPU either way, so this runs without a GPU.
+        assert load_model(tmp_path, dtype="auto", device="cuda").config.dtype == "bfloat16"
+        assert load_model(tmp_path, dtype="float32", device="cuda").config.dtype == "float32"
+    assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
+        "dtype float32 (auto on cpu)", "dtype bfloat16 (auto on cuda)", "dtype float32 (as asked)"]
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        load_model(tmp_path, dtype="float16")

@@ -90,6 +90,7 @@ class LLMEngine:
                  dtype: str | None = None, seed: int = 0, num_threads: int | None = None,
                  ngram_min: int = 1, ngram_max: int = 3, device: str = "cpu"):
         """model: a LoadedModel, a built-in preset name ("tiny", "100m") or an HF model directory.
+        dtype: "float32", "bfloat16" or "auto"/None (the checkpoint's dtype on a GPU, float32 on the CPU).
         seed: the built-in random weights' seed and the source of unseeded requests' seeds.
         num_threads: torch intra-op threads (None leaves torch's setting alone).
         device: where the model and the KV pool live ("cpu", "cuda", "cuda:1").
@@ -105,7 +106,9 @@ class LLMEngine:
             raise ValueError(
                 f"speculative_method must be 'ngram' (the only proposer), got {scheduler_config.speculative_method!r}"
             )
-        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, seed=seed)
+        if not isinstance(model, LoadedModel):
+            model = load_model(model, dtype=dtype, seed=seed, device=device)
+        self.loaded = model
         self.loaded.model.to(device)
         self.loaded.model.pack_weights()
         self.model_config = self.loaded.config

@@ -14,7 +14,7 @@ from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
 from shared.engine.kv_transfer.handle import KvLayout
 from shared.engine.kv_transfer.nixl_connector import NixlConnector
 from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
-from shared.engine.model.loader import load_model
+from shared.engine.model.loader import DTYPE_AUTO, load_model
 from shared.engine.request import Request
 
 
@@ -27,7 +27,7 @@ class PodConfig:
     """Engine settings of one pod (validated here; flags map onto these in each service's config)."""
 
     model: str = "tiny"  # a built-in preset name or an HF model directory
-    dtype: str = "float32"
+    dtype: str = DTYPE_AUTO  # the checkpoint's dtype on a GPU, float32 on the CPU
     seed: int = 0  # seed of the built-in random weights (prefill and decode must agree)
     block_size: int = 16
     num_blocks: int = 4096
@@ -63,7 +63,7 @@ class Pod:
         """role None: a colocated pod (no connector) that runs whole requests itself."""
         self.role = role
         self.config = config
-        loaded = load_model(config.model, dtype=config.dtype, seed=config.seed)
+        loaded = load_model(config.model, dtype=config.dtype, seed=config.seed, device=config.device)
         model_config = loaded.config
         max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
         # A fresh id per process start: a restarted prefill pod cannot confirm an old hold.

@@ -16,6 +16,7 @@ from shared.serving.engine_thread import EngineStopped, RequestTimeline
 from shared.serving.grpc_server import GrpcServer, ServerOptions
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
 from shared.serving.metrics import ServiceMetrics, start_metrics_server
+from shared.engine.model.loader import DTYPE_CHOICES
 from shared.serving.pod_runtime import Pod, PodConfig, PodOverloaded
 from shared.serving.telemetry import (
     DEFAULT_UNTRACED_METHOD_PREFIXES, SpanAttr, Tracing, TracingConfig, record_span, setup_tracing,
@@ -39,7 +40,8 @@ def add_pod_flags(parser: argparse.ArgumentParser, *, default_port: int) -> None
     parser.add_argument("--otlp-endpoint", default=None, help="OTLP/gRPC trace endpoint, e.g. http://127.0.0.1:4317")
     parser.add_argument("--otel-sampling-ratio", type=float, default=None, help="trace sampling ratio in [0, 1]")
     parser.add_argument("--model", default=defaults.model, help="built-in preset (tiny, 100m) or an HF model directory")
-    parser.add_argument("--dtype", default=defaults.dtype, choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default=defaults.dtype, choices=DTYPE_CHOICES,
+                        help="auto (default): the checkpoint's dtype on a GPU, float32 on the CPU")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the built-in random weights")
     parser.add_argument("--block-size", type=int, default=defaults.block_size)
     parser.add_argument("--num-blocks", type=int, default=defaults.num_blocks, help="KV blocks in the pool")

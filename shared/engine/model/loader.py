@@ -4,6 +4,7 @@ and writes our weights back out as an HF-format directory (so transformers can l
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,11 @@ from shared.engine.model.generation_config import GenerationDefaults, generation
 from shared.engine.model.model_config import PRESETS, ModelArchConfig, preset
 from shared.engine.model.llama import LlamaModel
 
+logger = logging.getLogger(__name__)
+
 INIT_STD = 0.02
+DTYPE_AUTO = "auto"
+DTYPE_CHOICES = (DTYPE_AUTO, "float32", "bfloat16")
 
 
 @dataclass
@@ -27,8 +32,29 @@ class LoadedModel:
     generation: GenerationDefaults  # every EOS id and the default sampling parameters
 
 
-def load_model(source: str | Path, dtype: str | None = None, seed: int = 0) -> LoadedModel:
-    """source: a preset name ("tiny", "100m") for random weights from seed, or an HF model directory."""
+def load_model(source: str | Path, dtype: str | None = DTYPE_AUTO, seed: int = 0,
+               device: torch.device | str = "cpu") -> LoadedModel:
+    """source: a preset name ("tiny", "100m") for random weights from seed, or an HF model directory.
+    dtype: "float32", "bfloat16", or "auto" (None too): the checkpoint's own dtype when the model will run
+    on a GPU, float32 on the CPU (where bfloat16 matmuls are slower, and float32 matches transformers)."""
+    requested = dtype
+    dtype = _resolve_dtype(dtype, device)
+    loaded = _load(source, dtype, seed)
+    how = "as asked" if requested not in (None, DTYPE_AUTO) else f"auto on {torch.device(device).type}"
+    logger.info("model %s: dtype %s (%s)", loaded.config.name, loaded.config.dtype, how)
+    return loaded
+
+
+def _resolve_dtype(dtype: str | None, device: torch.device | str) -> str | None:
+    """A concrete dtype, or None for the checkpoint's own."""
+    if dtype not in (None, *DTYPE_CHOICES):
+        raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
+    if dtype in (None, DTYPE_AUTO):
+        return None if torch.device(device).type == "cuda" else "float32"
+    return dtype
+
+
+def _load(source: str | Path, dtype: str | None, seed: int) -> LoadedModel:
     if isinstance(source, str) and source in PRESETS:
         config = preset(source, dtype or "float32")
         return LoadedModel(config=config, model=random_model(config, seed), tokenizer=None,
