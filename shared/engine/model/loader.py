@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from shared.engine.model.generation_config import GenerationDefaults, generation_defaults
 from shared.engine.model.model_config import PRESETS, ModelArchConfig, preset
 from shared.engine.model.llama import LlamaModel
+from shared.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -68,17 +69,8 @@ def _load(source: str | Path, dtype: str | None, seed: int) -> LoadedModel:
     config = ModelArchConfig.from_json_file(config_path, dtype=dtype)
     model = LlamaModel(config)
     load_hf_weights(model, _read_safetensors(path, config.torch_dtype))
-    return LoadedModel(config=config, model=model.eval(), tokenizer=load_tokenizer(path),
+    return LoadedModel(config=config, model=model.eval(), tokenizer=load_tokenizer(path, required=False),
                        generation=generation_defaults(config.eos_token_ids, path))
-
-
-def load_tokenizer(path: Path) -> Any | None:
-    tokenizer_file = path / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(tokenizer_file))
 
 
 def random_model(config: ModelArchConfig, seed: int) -> LlamaModel:
