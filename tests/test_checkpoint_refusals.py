@@ -56,7 +56,7 @@ def _first_new(tokens: list[int], start: int) -> int:
     return next(t for t in tokens[start:] if t not in tokens[:start])
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60, method="thread")
 def test_every_eos_id_of_a_list_stops_generation(checkpoint, free_run, tmp_path):
     transformers = pytest.importorskip("transformers")
     early = _first_new(free_run, 2)
@@ -71,7 +71,7 @@ def test_every_eos_id_of_a_list_stops_generation(checkpoint, free_run, tmp_path)
     assert reference[0, len(PROMPT):].tolist() == out.token_ids
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60, method="thread")
 def test_generation_config_adds_eos_ids_and_sampling_defaults(checkpoint, free_run, tmp_path):
     eos = _first_new(free_run, 4)
     never = next(t for t in range(SMALL.vocab_size) if t not in free_run)
@@ -90,7 +90,7 @@ def test_generation_config_adds_eos_ids_and_sampling_defaults(checkpoint, free_r
     assert load_model(path).generation.sampling_params().is_greedy
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60, method="thread")
 def test_prefill_sees_every_eos_id_for_token_one():
     from prefill_svc.servicer import first_token_finish_reason
 
@@ -162,7 +162,7 @@ def test_startup_refuses_a_model_length_the_pool_cannot_hold():
         LLMEngine("tiny", SchedulerConfig(max_model_len=256), CacheConfig(block_size=16, num_blocks=10))
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60, method="thread")
 def test_a_prompt_longer_than_the_pool_is_refused_at_admission_not_left_waiting():
     engine = LLMEngine("tiny", SchedulerConfig(max_model_len=144), CacheConfig(block_size=16, num_blocks=10))
     with pytest.raises(ValueError, match="prompt of 200 tokens leaves no room to generate within max_model_len 144"):

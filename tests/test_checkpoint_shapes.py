@@ -99,14 +99,14 @@ def _check(engine: LLMEngine, prompts, references) -> None:
         assert output.token_ids == references[tuple(prompt)], f"prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_greedy_tokens_match_transformers(checkpoints, name):
     path, references = checkpoints[name]
     _check(_engine(path), PROMPTS, references)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 @pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-sliding-window"])
 def test_sliding_window_under_chunked_prefill_and_prefix_hits(checkpoints, name):
     path, references = checkpoints[name]
@@ -118,7 +118,7 @@ def test_sliding_window_under_chunked_prefill_and_prefix_hits(checkpoints, name)
     assert engine.counters.num_prefix_hit_tokens - hits_before >= 2 * 40 // BLOCK_SIZE * BLOCK_SIZE
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 @pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-sliding-window"])
 def test_sliding_window_across_a_prefill_decode_handoff(checkpoints, name):
     """The decode side pulls the prompt's whole KV (as a prefill pod hands it over) and its masks keep
@@ -150,7 +150,7 @@ def test_sliding_window_across_a_prefill_decode_handoff(checkpoints, name):
     assert consumer.counters.num_scheduled_tokens == len(prompts) * (NUM_OUTPUT - 1)  # no prompt recomputed
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 @pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-sliding-window", "llama-head-dim-8"])
 def test_gather_decode_path_matches_too(checkpoints, name, monkeypatch):
     """Without the C++ kernel (another device, no compiler) decodes take the gather + SDPA path."""
@@ -164,7 +164,7 @@ def test_gather_decode_path_matches_too(checkpoints, name, monkeypatch):
     assert not calls
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 @pytest.mark.parametrize("head_dim", [8, 12])
 def test_bfloat16_small_head_sizes_finish_and_match_the_float32_path_closely(tmp_path, head_dim):
     """bfloat16 rounds differently from transformers' eager kernels, so tokens are compared with the
