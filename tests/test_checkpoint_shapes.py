@@ -166,23 +166,27 @@ def test_gather_decode_path_matches_too(checkpoints, name, monkeypatch):
 
 @pytest.mark.timeout(120, method="thread")
 @pytest.mark.parametrize("head_dim", [8, 12])
-def test_bfloat16_small_head_sizes_finish_and_match_the_float32_path_closely(tmp_path, head_dim):
-    """bfloat16 rounds differently from transformers' eager kernels, so tokens are compared with the
-    engine's own gather + SDPA path in bfloat16 (what must hold: the kernel ends, and agrees)."""
+def test_bfloat16_small_head_sizes_match_transformers(tmp_path, head_dim):
+    """bfloat16 rounds differently in transformers' eager kernels than in ours, so a near-tie may tip the
+    other way: all prompts but one must match token for token, on both decode attention paths."""
     config = _config(hidden_size=4 * head_dim, num_heads=4, num_kv_heads=1, dtype="bfloat16")
-    save_pretrained(random_model(config, seed=5), tmp_path)
-    kernel_engine = _engine(tmp_path, dtype="bfloat16")
-    gather_engine = _engine(tmp_path, dtype="bfloat16")
-    gather_engine.runner._uses_decode_kernel = False
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        hf = _save(config, tmp_path)
+        references = {tuple(p): _hf_greedy(hf, p) for p in PROMPTS}
+    finally:
+        torch.set_num_threads(threads)
     params = SamplingParams(max_tokens=NUM_OUTPUT, ignore_eos=True)
-    with_kernel = kernel_engine.generate(PROMPTS, params)
-    with_gather = gather_engine.generate(PROMPTS, params)
-    matches = sum(a.token_ids == b.token_ids for a, b in zip(with_kernel, with_gather))
-    assert all(len(out.token_ids) == NUM_OUTPUT for out in with_kernel)
-    assert matches >= len(PROMPTS) - 1
+    for uses_kernel in (True, False):
+        engine = _engine(tmp_path, dtype="bfloat16")
+        engine.runner._uses_decode_kernel = uses_kernel
+        outputs = engine.generate(PROMPTS, params)
+        matches = sum(out.token_ids == references[tuple(p)] for p, out in zip(PROMPTS, outputs))
+        assert matches >= len(PROMPTS) - 1, f"decode kernel {uses_kernel}: {matches} of {len(PROMPTS)} match"
 
 
-def test_window_longer_than_every_prompt_changes_nothing(checkpoints):
+def test_model_length_is_not_capped_at_the_window():
     """The model length is no longer capped at the window: a Mistral checkpoint keeps its positions."""
     config = ModelArchConfig.from_hf_dict({**SHAPES["mistral-sliding-window"].to_hf_dict(),
                                            "max_position_embeddings": 4096})
