@@ -22,7 +22,8 @@ class MathField:
 
 
 def _absent(value: Any) -> bool:
-    return value is None or value == {} or value is False
+    """Unset, null, false or empty: the feature is off."""
+    return not value
 
 
 def _rope_type(params: Any) -> Any:
