@@ -22,7 +22,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve colocated", description="Serve the Generate API from one colocated pod (no router)."
     )
-    add_pod_flags(parser, default_port=DEFAULT_PORT)
+    add_pod_flags(parser, default_port=DEFAULT_PORT, role=None)
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer.json (or a directory holding one) for text prompts; default: the model's")
     return parser

@@ -14,11 +14,11 @@ from opentelemetry import trace
 
 from proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.serving import convert, wire
-from shared.serving.engine_thread import RequestStream
 from shared.engine.kv_transfer.handle import KvHandle
 from shared.engine.kv_transfer.nixl_connector import DO_REMOTE_DECODE, REMOTE_HANDLE
 from shared.serving.metrics import ServiceMetrics
-from shared.serving.pod_server import ADMISSION_ERRORS, STREAM_ERRORS, PodServicer, admission_status, stream_status
+from shared.serving.outcomes import PodUnavailable, invalid_on_value_error
+from shared.serving.pod_server import PodServicer
 from shared.engine.request import FinishReason, Request, SamplingParams
 from shared.serving.telemetry import SpanAttr
 
@@ -61,63 +61,34 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
         self._hold_spans: dict[str, _HoldSpan] = {}
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
-        await self.admit(context)
-        started = time.monotonic()
-        parent = self.trace_parent()
-        outcome = "cancelled"  # the caller went away, unless something below decides otherwise
-        stream: RequestStream | None = None
-        final = None
-        try:
-            try:
+        async with await self.start_call(context, "prefill") as call:
+            with invalid_on_value_error():
                 work = convert.prefill_request_from_proto(request, vocab_size=self.pod.vocab_size)
                 self.pod.check_prompt_fits(len(work.prompt_token_ids))
-            except ValueError as exc:
-                outcome = "invalid"
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            span = trace.get_current_span()
-            span.set_attribute(SpanAttr.REQUEST_ID, work.request_id)
-            span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(work.prompt_token_ids))
+            call.span.set_attribute(SpanAttr.REQUEST_ID, work.request_id)
+            call.span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(work.prompt_token_ids))
             # Token 1 only: the rest is the decode pod's. The original params decide the handoff.
-            engine_request = Request(
+            stream = call.submit(Request(
                 work.request_id,
                 work.prompt_token_ids,
                 dataclasses.replace(work.sampling, max_tokens=1),
                 eos_token_id=self.pod.eos_token_id,
                 kv_transfer_params={DO_REMOTE_DECODE: work.sampling.max_tokens > 1},
-            )
-            try:
-                stream = self.pod.submit(engine_request)
-            except ADMISSION_ERRORS as exc:
-                code, outcome = admission_status(exc)
-                await context.abort(code, str(exc))
-            tokens = []
-            try:
-                async for output in stream:
-                    tokens.extend(output.new_token_ids)
-                    final = output
-            except STREAM_ERRORS as exc:
-                code, outcome = stream_status(exc)
-                await context.abort(code, str(exc))
+            ))
+            tokens, final = [], None
+            async for output in stream:
+                tokens.extend(output.new_token_ids)
+                final = output
             if final is None:
-                outcome = "error"
-                await context.abort(grpc.StatusCode.ABORTED, "the request was aborted before token 1")
-            outcome = "error"  # until the answer is built
-            result = self._result(work, final, tokens, parent)
-            ttft_s = time.monotonic() - started
-            self.metrics.ttft_seconds.observe(ttft_s)
-            span.set_attribute(SpanAttr.TTFT_S, ttft_s)
-            span.set_attribute(SpanAttr.NUM_OUTPUT_TOKENS, 1)
+                raise PodUnavailable("the pod stopped the request before token 1")
+            if final.finished:
+                call.engine_request_finished()
+            result = self._result(work, final, tokens, call.parent)
+            call.count_tokens(1)
+            call.span.set_attribute(SpanAttr.NUM_OUTPUT_TOKENS, 1)
             if result.finish_reason is not None:
-                span.set_attribute(SpanAttr.FINISH_REASON, result.finish_reason.value)
-            outcome = "ok"
+                call.span.set_attribute(SpanAttr.FINISH_REASON, result.finish_reason.value)
             return convert.prefill_result_to_proto(result)
-        finally:
-            if stream is not None:
-                if final is None or not final.finished:
-                    # Cancelled (client gone, deadline): the engine frees the request's blocks.
-                    self.pod.loop.abort(stream.request_id)
-                self.record_stage_spans("prefill", parent, stream.timeline, {SpanAttr.REQUEST_ID: stream.request_id})
-            self.metrics.record_outcome(outcome)
 
     def _result(self, work: wire.PrefillInput, final, tokens: list[int], parent) -> wire.PrefillResult:
         if final.finish_reason is FinishReason.ERROR or not tokens:

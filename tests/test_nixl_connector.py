@@ -14,6 +14,8 @@ from shared.engine.kv_transfer.nixl_connector import DO_REMOTE_DECODE, REMOTE_HA
 from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
 from shared.engine.request import Request, RequestStatus, SamplingParams
 
+pytestmark = pytest.mark.e2e
+
 LAYOUT = KvLayout("tiny@0", "float32", num_layers=4, num_kv_heads=4, head_dim=32, block_size=16)
 
 

@@ -7,6 +7,7 @@ servicer can map it straight to INVALID_ARGUMENT.
 from __future__ import annotations
 
 import math
+from typing import Callable
 from proto.pdserve.v1 import common_pb2, decode_pb2, generate_pb2, prefill_pb2
 from shared.engine.kv_transfer.handle import KvHandle, KvLayout, KvPullOutcome, KvPullStats
 from shared.engine.kv_transfer.handle import KvRegion, KvSource
@@ -176,7 +177,7 @@ def _check_handle_shape(num_tokens: int, block_size: int, num_blocks: int, layou
 
 
 def kv_handle_to_proto(handle: KvHandle) -> common_pb2.KvHandle:
-    _check_handle_shape(handle.num_tokens, handle.block_size, len(handle.block_ids), handle.layout.block_size)
+    # A handle is checked once, where it comes off the wire (kv_handle_from_proto).
     return common_pb2.KvHandle(
         engine_id=handle.engine_id,
         source_address=handle.source_address,
@@ -444,6 +445,22 @@ def generate_prompt_from_proto(message: generate_pb2.GenerateRequest) -> str | l
             raise ValueError("prompt text is empty")
         return message.text
     return token_ids_from_proto(message.token_ids.ids, name="prompt token_ids")
+
+
+def generate_input_from_proto(
+    message: generate_pb2.GenerateRequest, encode: Callable[[str], list[int]] | None, *, no_tokenizer_hint: str
+) -> tuple[list[int], SamplingParams]:
+    """The prompt's token ids (text encoded with `encode`) and the sampling params; ValueError saying
+    what is wrong. no_tokenizer_hint: how to serve text prompts, for when `encode` is None."""
+    prompt = generate_prompt_from_proto(message)
+    sampling = sampling_params_from_proto(message.sampling if message.HasField("sampling") else None)
+    if isinstance(prompt, str):
+        if encode is None:
+            raise ValueError(f"text prompts need a tokenizer: {no_tokenizer_hint}, or send token_ids")
+        prompt = list(encode(prompt))
+        if not prompt:
+            raise ValueError("prompt text encodes to no tokens")
+    return prompt, sampling
 
 
 def generate_chunk_to_proto(
