@@ -19,7 +19,7 @@ from shared.serving.engine_thread import RequestStream
 from shared.serving.outcomes import KvUnusable, PodUnavailable, invalid_on_value_error
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy
 from shared.engine.kv_transfer.handle import KvPullOutcome, KvPullStats
-from shared.engine.kv_transfer.nixl_connector import REMOTE_HANDLE, REMOTE_SOURCE
+from shared.engine.kv_transfer.handoff import PullFromPeer
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.pod_server import PodServicer
 from shared.engine.request import FinishReason, Request
@@ -133,17 +133,18 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
         stats = KvPullStats(0, 0, 0, 0.0, KvPullOutcome.NO_HANDLE)
         if work.handle is not None:
             unusable = self.pod.connector.pull_precheck(work.handle)
-            try:
-                source = await self.sources.get(work.handle) if unusable is None else None
-                kv_params = {REMOTE_HANDLE: work.handle, REMOTE_SOURCE: source}
-            except KvSourceUnavailable as exc:
-                logger.warning("cannot pull %s: %s", work.request_id, exc)
-                unusable = KvPullOutcome.RECOMPUTED_ERROR
+            if unusable is None:
+                try:
+                    kv_params = PullFromPeer(work.handle, await self.sources.get(work.handle))
+                except KvSourceUnavailable as exc:
+                    logger.warning("cannot pull %s: %s", work.request_id, exc)
+                    unusable = KvPullOutcome.RECOMPUTED_ERROR
+            if unusable is not None:
+                # Nothing will be read: end the prefill pod's hold now, not at its lease's end.
                 self.sources.release_quietly(work.handle, work.request_id)
-            if unusable is not None and self.pod.config.kv_load_failure_policy is KVLoadFailurePolicy.FAIL:
-                raise KvUnusable(self._failure_message(work.request_id, KvPullStats(0, 0, 0, 0.0, unusable)))
-            if unusable is KvPullOutcome.RECOMPUTED_ERROR:
-                stats, kv_params = KvPullStats(0, 0, 0, 0.0, unusable), None
+                stats = KvPullStats(0, 0, 0, 0.0, unusable)
+                if self.pod.config.kv_load_failure_policy is KVLoadFailurePolicy.FAIL:
+                    raise KvUnusable(self._failure_message(work.request_id, stats))
         engine_request = Request(
             work.request_id,
             work.prompt_token_ids + work.generated_token_ids,

@@ -15,11 +15,11 @@ from opentelemetry import trace
 from proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.serving import convert, wire
 from shared.engine.kv_transfer.handle import KvHandle
-from shared.engine.kv_transfer.nixl_connector import DO_REMOTE_DECODE, REMOTE_HANDLE
+from shared.engine.kv_transfer.handoff import HoldForPeer
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.outcomes import PodUnavailable, invalid_on_value_error
 from shared.serving.pod_server import PodServicer
-from shared.engine.request import FinishReason, Request, SamplingParams
+from shared.engine.request import FinishReason, Request
 from shared.serving.telemetry import SpanAttr
 
 logger = logging.getLogger(__name__)
@@ -27,19 +27,7 @@ logger = logging.getLogger(__name__)
 # kv-hold span outcomes (SpanAttr.KV_OUTCOME).
 HOLD_RELEASED = "released"  # the decode pod confirmed its pull in time: the data it read is good
 HOLD_EXPIRED = "expired"  # the lease ran out first: the blocks were freed, a late pull is refused
-HOLD_ABANDONED = "abandoned"  # token 1 ended the request: nobody will pull
 HOLD_SHUTDOWN = "shutdown"  # the pod stopped while holding
-
-
-def first_token_finish_reason(
-    token_id: int, params: SamplingParams, eos_token_id: int | None, num_prompt_tokens: int, max_model_len: int
-) -> FinishReason | None:
-    """Whether token 1 already ends the request, checked in the scheduler's order (stop tokens, then length)."""
-    if token_id in params.stop_token_ids or (token_id == eos_token_id and not params.ignore_eos):
-        return FinishReason.STOP
-    if params.max_tokens == 1 or num_prompt_tokens + 1 >= max_model_len:
-        return FinishReason.LENGTH
-    return None
 
 
 @dataclass
@@ -72,7 +60,7 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
                 work.prompt_token_ids,
                 dataclasses.replace(work.sampling, max_tokens=1),
                 eos_token_id=self.pod.eos_token_id,
-                kv_transfer_params={DO_REMOTE_DECODE: work.sampling.max_tokens > 1},
+                kv_transfer_params=HoldForPeer() if work.sampling.max_tokens > 1 else None,
             ))
             tokens, final = [], None
             async for output in stream:
@@ -93,19 +81,12 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
         if final.finish_reason is FinishReason.ERROR or not tokens:
             raise RuntimeError(f"prefill of {work.request_id} ended with {final.finish_reason} and no token")
         token_id = tokens[0]
-        handle = (final.kv_transfer_params or {}).get(REMOTE_HANDLE)
         num_prompt = len(work.prompt_token_ids)
-        reason = first_token_finish_reason(
-            token_id, work.sampling, self.pod.eos_token_id, num_prompt, self.pod.max_model_len
-        )
-        if handle is not None:
-            self._trace_hold(work.request_id, handle, parent)
-        if reason is not None or handle is None:
-            if handle is not None:
-                self.pod.connector.release(work.request_id, handle.engine_id)  # nobody will pull it
-                self._end_hold_span(work.request_id, HOLD_ABANDONED)
-            return wire.PrefillResult(token_id, num_prompt, finish_reason=reason or final.finish_reason)
-        return wire.PrefillResult(token_id, num_prompt, handle=handle)
+        if final.kv_handle is None:
+            # Token 1 ended the request (stop token, max_tokens 1, the model's length): nobody pulls.
+            return wire.PrefillResult(token_id, num_prompt, finish_reason=final.finish_reason)
+        self._trace_hold(work.request_id, final.kv_handle, parent)
+        return wire.PrefillResult(token_id, num_prompt, handle=final.kv_handle)
 
     # ---- kv-hold spans -------------------------------------------------------------------------
     def _trace_hold(self, request_id: str, handle: KvHandle, parent) -> None:

@@ -160,25 +160,7 @@ def kv_layout_from_proto(message: common_pb2.KvLayout) -> KvLayout:
     )
 
 
-def _check_handle_shape(num_tokens: int, block_size: int, num_blocks: int, layout_block_size: int) -> None:
-    if block_size == 0:
-        raise ValueError("handle.block_size must be > 0")
-    if block_size != layout_block_size:
-        raise ValueError(
-            f"handle.block_size {block_size} differs from handle.layout.block_size {layout_block_size}"
-        )
-    if num_tokens == 0:
-        raise ValueError("handle.num_tokens must be > 0")
-    num_needed = -(-num_tokens // block_size)
-    if num_blocks != num_needed:
-        raise ValueError(
-            f"handle has {num_blocks} block ids but {num_tokens} tokens at block_size {block_size} "
-            f"need {num_needed}"
-        )
-
-
 def kv_handle_to_proto(handle: KvHandle) -> common_pb2.KvHandle:
-    # A handle is checked once, where it comes off the wire (kv_handle_from_proto).
     return common_pb2.KvHandle(
         engine_id=handle.engine_id,
         source_address=handle.source_address,
@@ -197,15 +179,13 @@ def kv_handle_from_proto(message: common_pb2.KvHandle) -> KvHandle:
         raise ValueError("handle.source_address is empty (expected host:port)")
     if not message.HasField("layout"):
         raise ValueError("handle.layout is missing")
-    layout = kv_layout_from_proto(message.layout)
-    _check_handle_shape(message.num_tokens, message.block_size, len(message.block_ids), layout.block_size)
     return KvHandle(
         engine_id=message.engine_id,
         source_address=message.source_address,
         block_ids=tuple(message.block_ids),
         num_tokens=message.num_tokens,
         block_size=message.block_size,
-        layout=layout,
+        layout=kv_layout_from_proto(message.layout),
         lease_deadline_unix_ms=message.lease_deadline_unix_ms,
     )
 
