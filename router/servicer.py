@@ -15,8 +15,9 @@ from opentelemetry import trace
 
 from proto.pdserve.v1 import generate_pb2_grpc
 from router.flags import RouterConfig
+from router.kv_index import KvIndex, PromptHashes
 from router.metrics import RouterMetrics
-from router.policy import NoPick, candidates, pick
+from router.policy import NoPick, Route, RouteDecision, RouteReason, candidates, decide_route, pick
 from router.retry import Backoff, Stalled, retry_after_s
 from shared.serving.text import TextCodec
 from router.workers import WorkerPool
@@ -75,6 +76,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         codec: TextCodec | None = None,
         metrics: RouterMetrics | None = None,
         tracer: trace.Tracer | None = None,
+        kv_index: KvIndex | None = None,
     ):
         self._prefill = prefill
         self._decode = decode
@@ -82,6 +84,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         self._codec = codec
         self._metrics = metrics
         self._tracer = tracer or trace.NoOpTracer()
+        self._kv_index = kv_index
         self._turns = {prefill.tier: 0, decode.tier: 0}
         self._background: set[asyncio.Task] = set()
 
@@ -129,44 +132,46 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def _route(
         self, request_id, pod_request_id, prompt_ids, sampling, deadline, text, start, context
     ) -> AsyncIterator:
-        # Token 1 must not go out for a request no decode pod can take: check before prefill.
-        self._require_decode_capacity()
-        result, prefill_address = await self._run_prefill(pod_request_id, prompt_ids, sampling, deadline)
-        generated = [result.first_token_id]
-        hold = None
-        if result.finish_reason is None:
-            hold = _Hold(prefill_address, pod_request_id, result.handle)
-            # However the call ends (cancelled or timed out even while token 1 goes out), a hold no
-            # decode pod confirmed is released at once, not at the lease's end.
-            context.add_done_callback(lambda _context: self._abandon(hold))
+        prompt = PromptHashes(prompt_ids)
+        generated: list[int] = []
 
         def chunk(token_ids: list[int], finish: FinishReason | None):
             return convert.generate_chunk_to_proto(
                 request_id=request_id,
                 token_ids=token_ids,
-                text=text.push(token_ids) if text is not None else "",
+                text=text.push(token_ids, final=finish is not None) if text is not None else "",
                 finish_reason=finish,
                 num_prompt_tokens=len(prompt_ids),
                 num_output_tokens=len(generated),
             )
 
+        # Token 1 must not go out for a request no decode pod can take: check before any prefill.
+        self._require_decode_capacity()
+        hold = None
         try:
-            # Token 1 goes out before any decode work: TTFT never waits for the KV transfer.
-            yield chunk([result.first_token_id], result.finish_reason)
-            ttft = time.monotonic() - start
-            trace.get_current_span().set_attribute("pdserve.ttft_s", ttft)
-            if self._metrics is not None:
-                self._metrics.ttft_seconds.observe(ttft)
-            if hold is None:
-                return
-            decoded = self._run_decode(pod_request_id, prompt_ids, sampling, generated, deadline, hold)
+            if self._decide(prompt).route is Route.SPLIT:
+                result, prefill_address = await self._run_prefill(pod_request_id, prompt, sampling, deadline)
+                generated.append(result.first_token_id)
+                if result.finish_reason is None:
+                    hold = _Hold(prefill_address, pod_request_id, result.handle)
+                    # However the call ends (cancelled or timed out even while token 1 goes out), a
+                    # hold no decode pod confirmed is released at once, not at the lease's end.
+                    context.add_done_callback(lambda _context: self._abandon(hold))
+                # Token 1 goes out before any decode work: TTFT never waits for the KV transfer.
+                yield chunk([result.first_token_id], result.finish_reason)
+                self._record_ttft(start)
+                if result.finish_reason is not None:
+                    return
+            decoded = self._run_decode(pod_request_id, prompt, sampling, generated, deadline, hold)
             async with contextlib.aclosing(decoded) as tokens:
                 async for token_ids, finish in tokens:
+                    is_first = hold is None and len(generated) == len(token_ids) and bool(token_ids)
                     yield chunk(token_ids, finish)
+                    if is_first:
+                        self._record_ttft(start)
         finally:
-            if hold is not None:
-                # No decode pod confirmed the pull: free the prefill hold now instead of at lease expiry.
-                self._abandon(hold)
+            # No decode pod confirmed the pull: free the prefill hold now instead of at lease expiry.
+            self._abandon(hold)
 
     def _require_decode_capacity(self) -> None:
         """RouteError unless some decode pod is healthy and not overloaded."""
@@ -174,14 +179,58 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         if reason is not None:
             raise self._no_pick_error(self._decode, reason, None, [])
 
+    def _record_ttft(self, start: float) -> None:
+        ttft = time.monotonic() - start
+        trace.get_current_span().set_attribute("pdserve.ttft_s", ttft)
+        if self._metrics is not None:
+            self._metrics.ttft_seconds.observe(ttft)
+
+    # ---- conditional disaggregation -----------------------------------------------------------
+    def _decide(self, prompt: PromptHashes) -> RouteDecision:
+        """Split, or decode-only when the decode pod this request would go to lacks little of the prompt
+        (or prefill is saturated); recorded on the route span and in a metric."""
+        rule = self._config.disaggregation
+        num_uncached = prompt.num_tokens
+        decision = RouteDecision(Route.SPLIT, RouteReason.PREFILL_NEEDED)
+        with self._tracer.start_as_current_span("route decision") as span:
+            if rule.max_local_prefill_tokens > 0 or rule.saturation_queue > 0:
+                views = self._decode.views()
+                cached = self._cached_tokens(views, prompt)
+                choice = pick(self._config.policy, views, self._turns[self._decode.tier],
+                              num_prompt_tokens=prompt.num_tokens, cached_tokens=cached,
+                              weights=self._config.kv_weights)
+                decode_view = next((v for v in views if v.address == choice.address), None)
+                if decode_view is not None:
+                    num_uncached = prompt.num_tokens - cached.get(decode_view.address, 0)
+                decision = decide_route(num_uncached, self._prefill.views(), decode_view, rule)
+            span.set_attribute("pdserve.route", decision.route.value)
+            span.set_attribute("pdserve.route.reason", decision.reason.value)
+            span.set_attribute("pdserve.route.num_uncached_tokens", num_uncached)
+        server_span = trace.get_current_span()
+        server_span.set_attribute("pdserve.route", decision.route.value)
+        server_span.set_attribute("pdserve.route.reason", decision.reason.value)
+        if self._metrics is not None:
+            self._metrics.route_decisions.labels(route=decision.route.value, reason=decision.reason.value).inc()
+        return decision
+
+    def _cached_tokens(self, views, prompt: PromptHashes) -> dict[str, int]:
+        if self._kv_index is None:
+            return {}
+        return self._kv_index.cached_tokens_by_pod((v.address for v in views if v.is_healthy), prompt)
+
     # ---- picking ------------------------------------------------------------------------------
-    def _pick(self, pool: WorkerPool, exclude: list[str]):
+    def _pick(self, pool: WorkerPool, exclude: list[str], prompt: PromptHashes):
         turn = self._turns[pool.tier]
         self._turns[pool.tier] = turn + 1
         with self._tracer.start_as_current_span(f"route {pool.tier}") as span:
-            choice = pick(self._config.policy, pool.views(), turn, exclude)
+            views = pool.views()
+            cached = self._cached_tokens(views, prompt) if self._config.policy == "kv-aware" else {}
+            choice = pick(self._config.policy, views, turn, exclude, num_prompt_tokens=prompt.num_tokens,
+                          cached_tokens=cached, weights=self._config.kv_weights)
             span.set_attribute("pdserve.policy", self._config.policy)
             span.set_attribute("pdserve.worker", choice.address or "")
+            if choice.address is not None and cached:
+                span.set_attribute("pdserve.kv.cached_tokens", cached.get(choice.address, 0))
             span.set_attribute("pdserve.excluded", list(exclude))
             if choice.reason is not None:
                 span.set_attribute("pdserve.no_pick", choice.reason.value)
@@ -204,18 +253,18 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         )
 
     # ---- prefill ------------------------------------------------------------------------------
-    async def _run_prefill(self, request_id, prompt_ids, sampling, deadline):
+    async def _run_prefill(self, request_id, prompt: PromptHashes, sampling, deadline):
         tried: list[str] = []
         last_error = None
         reason = None
         for _ in range(1 + self._config.max_prefill_retries):
-            choice = self._pick(self._prefill, tried)
+            choice = self._pick(self._prefill, tried, prompt)
             if choice.address is None:
                 reason = choice.reason
                 break
             tried.append(choice.address)
             try:
-                result = await self._call_prefill(choice.address, request_id, prompt_ids, sampling, deadline)
+                result = await self._call_prefill(choice.address, request_id, prompt.token_ids, sampling, deadline)
                 return result, choice.address
             except ValueError as exc:
                 raise RouteError(
@@ -270,9 +319,12 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             self._abandon(_Hold(address, request_id, result.handle))
 
     # ---- decode -------------------------------------------------------------------------------
-    async def _run_decode(self, request_id, prompt_ids, sampling, generated, deadline, hold: "_Hold"):
-        """Yields (new token ids, finish reason or None). `generated` (token 1 first) grows as tokens are
-        yielded, so a re-issue after a failure carries exactly what the client already has. A pod that
+    async def _run_decode(
+        self, request_id, prompt: PromptHashes, sampling, generated, deadline, hold: "_Hold | None"
+    ):
+        """Yields (new token ids, finish reason or None). `generated` (token 1 first, or empty without a
+        prefill) grows as tokens are yielded, so a re-issue after a failure carries exactly what the
+        client already has. Without a hold the decode pod computes the prompt itself. A pod that
         refuses (overloaded) is tried again after a backoff; one that fails or freezes is not."""
         # Pods that failed or froze on this request: marked unavailable, so not picked again until a
         # health probe finds them serving (a false stall, e.g. while the router itself was starved).
@@ -285,16 +337,16 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 # A pod died right after the last token but before saying so: the request is complete.
                 yield [], FinishReason.LENGTH
                 return
-            choice = self._pick(self._decode, refused)
+            choice = self._pick(self._decode, refused, prompt)
             if choice.address is None:
                 if not backoff.can_wait(deadline):
                     raise self._no_pick_error(self._decode, choice.reason, last_error, failed + refused)
                 await backoff.wait(deadline)
                 refused.clear()
                 continue
-            carries_handle = not hold.is_settled
+            carries_handle = hold is not None and not hold.is_settled
             work = wire.DecodeInput(
-                request_id, prompt_ids, list(generated), sampling, hold.handle if carries_handle else None
+                request_id, prompt.token_ids, list(generated), sampling, hold.handle if carries_handle else None
             )
             try:
                 # Closed at once when the client goes away: that cancels the Decode call.
@@ -345,7 +397,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                     if is_first:
                         is_first = False
                         # The first message comes after the pull was confirmed (or given up).
-                        hold.is_settled = True
+                        if hold is not None:
+                            hold.is_settled = True
                         self._record_pull(work.request_id, decoded.kv_pull)
                     generated.extend(decoded.token_ids)
                     if decoded.token_ids or decoded.finish_reason is not None:
@@ -397,9 +450,9 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _abandon(self, hold: "_Hold") -> None:
+    def _abandon(self, hold: "_Hold | None") -> None:
         """Gives up the hold (once): later decode attempts recompute, and the prefill pod frees the blocks."""
-        if hold.is_settled:
+        if hold is None or hold.is_settled:
             return
         hold.is_settled = True
         self._spawn(self._release(hold))
