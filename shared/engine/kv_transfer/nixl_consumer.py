@@ -119,6 +119,8 @@ class NixlConsumer(NixlConnector):
             return False, None
         # A READ may still be writing into these blocks: free them only once it is over.
         pull.is_aborted = True
+        if pull.is_confirming:
+            self._end_aborted(pull)
         return True, None
 
     def has_pending_work(self) -> bool:
@@ -175,6 +177,14 @@ class NixlConsumer(NixlConnector):
                         pull.error = pull.transfer.error or "transfer failed"
             pull.is_confirming = True
             self._release_remote(pull.handle, pull.request_id)
+            if pull.is_aborted:
+                self._end_aborted(pull)
+
+    def _end_aborted(self, pull: _Pull) -> None:
+        """The READ of an aborted request is over: nothing writes into its blocks any more, so they are
+        freed now; the confirmation under way only ends the prefill pod's hold."""
+        del self._pulls[pull.request_id]
+        self._ended.add(pull.request_id)
 
     def on_release_result(self, request_id: str, intact: bool) -> None:
         """ReleaseKv's answer for a pull (any thread); intact=False also when the call failed."""
@@ -191,9 +201,6 @@ class NixlConsumer(NixlConnector):
                 self._finish_pull(pull, intact)
 
     def _finish_pull(self, pull: _Pull, intact: bool) -> None:
-        if pull.is_aborted:
-            self._ended.add(pull.request_id)
-            return
         transfer = pull.transfer
         arrived = pull.error is None and transfer is not None and transfer.state is TransferState.DONE
         good = intact and arrived
