@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from fault_cluster import BLOCK_SIZE, FaultCluster
-from matrix import Row, format_table, make_prompts
-
-REFERENCE_TOKENS = 200
-SHORT_PROMPTS = make_prompts(8, 40, seed=1)
-LONG_PROMPTS = make_prompts(8, 1200, seed=2)
+from matrix import Row, format_table
 
 _MATRIX_KEY = pytest.StashKey[list]()
 
 
 @pytest.fixture(scope="session")
 def fault_cluster(tmp_path_factory):
+    from fault_cluster import FaultCluster  # the unit lane does not load the launcher
+
     cluster = FaultCluster.start(tmp_path_factory.mktemp("fault-cluster-logs"))
     try:
         yield cluster
@@ -29,6 +26,9 @@ def reference():
     from shared.engine.llm_engine import LLMEngine
     from shared.engine.request import SamplingParams
     from shared.engine.sched_config import CacheConfig, SchedulerConfig
+
+    from fault_cluster import BLOCK_SIZE
+    from matrix import LONG_PROMPTS, REFERENCE_TOKENS, SHORT_PROMPTS
 
     engine = LLMEngine("tiny", SchedulerConfig(max_model_len=2048), CacheConfig(block_size=BLOCK_SIZE, num_blocks=2048))
     prompts = SHORT_PROMPTS + LONG_PROMPTS

@@ -26,6 +26,12 @@ def make_prompts(num: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB_SIZE) for _ in range(length)] for _ in range(num)]
 
 
+# Every scenario's prompts; the reference is computed once for all of them, up to REFERENCE_TOKENS.
+SHORT_PROMPTS = make_prompts(8, 40, seed=1)
+LONG_PROMPTS = make_prompts(8, 1200, seed=2)  # a prefill step long enough to strike inside
+REFERENCE_TOKENS = 200
+
+
 @dataclass
 class Result:
     prompt: list[int]

@@ -9,9 +9,8 @@ import time
 import grpc
 import pytest
 
-from conftest import LONG_PROMPTS
 from fault_cluster import DECODE, LEASE_S, PREFILL
-from matrix import Load, Shot, judge
+from matrix import LONG_PROMPTS, Load, Shot, judge
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.timeout(120)]
 

@@ -10,9 +10,8 @@ import signal
 import grpc
 import pytest
 
-from conftest import LONG_PROMPTS, SHORT_PROMPTS
 from fault_cluster import DECODE, LEASE_S, PREFILL
-from matrix import Load, Shot, judge
+from matrix import LONG_PROMPTS, SHORT_PROMPTS, Load, Shot, judge
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.timeout(180)]
 
