@@ -249,7 +249,7 @@ async def run_pod(
         async def shut_down() -> None:
             for _, servicer, _ in services:
                 servicer.is_draining = True
-            await drain(pod, args.grace_seconds)
+            await drain(pod, server.shutdown_seconds_left())
             await pod.stop()
             for _, servicer, _ in services:
                 await servicer.close()
