@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -15,6 +16,7 @@ from opentelemetry import context as otel_context
 from shared.serving.engine_thread import EngineStopped, RequestTimeline
 from shared.serving.grpc_server import GrpcServer, ServerOptions
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
+from shared.serving.cpu_limit import default_num_threads
 from shared.serving.metrics import ServiceMetrics, start_metrics_server
 from shared.serving.pod_runtime import Pod, PodConfig, PodOverloaded
 from shared.serving.telemetry import (
@@ -29,6 +31,9 @@ GAUGE_INTERVAL_S = 0.5
 ENGINE_WATCH_INTERVAL_S = 0.5
 # How often a draining pod looks whether its last requests and holds are gone.
 DRAIN_POLL_S = 0.02
+# Where the KV data plane listens (UCX TCP, one port per network interface): declared in the manifests'
+# NetworkPolicies, so it must be a fixed range, not UCX's ephemeral default.
+DEFAULT_KV_PORT_RANGE = "20000-20099"
 
 
 def add_pod_flags(parser: argparse.ArgumentParser, *, default_port: int) -> None:
@@ -48,7 +53,10 @@ def add_pod_flags(parser: argparse.ArgumentParser, *, default_port: int) -> None
     parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     parser.add_argument("--device", default=defaults.device, help="cpu (default) or cuda[:N]")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch intra-op threads (default: the container's CPU limit, else torch's choice)")
+    parser.add_argument("--kv-port-range", type=parse_port_range, default=DEFAULT_KV_PORT_RANGE,
+                        help=f"LOW-HIGH: the TCP ports the NIXL/UCX KV transfer listens on (default {DEFAULT_KV_PORT_RANGE})")
     parser.add_argument("--max-requests-in-flight", type=int, default=defaults.max_requests_in_flight)
     parser.add_argument(
         "--grace-seconds", type=float, default=ServerOptions.grace_seconds,
@@ -68,10 +76,18 @@ def pod_config_from_args(args: argparse.Namespace, **role_settings: Any) -> PodC
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         max_requests_in_flight=args.max_requests_in_flight,
-        num_threads=args.num_threads,
+        num_threads=args.num_threads if args.num_threads is not None else default_num_threads(),
         device=args.device,
         **role_settings,
     )
+
+
+def parse_port_range(value: str) -> str:
+    """'LOW-HIGH' with 1024 <= LOW <= HIGH <= 65535 (argparse type)."""
+    low, separator, high = value.partition("-")
+    if not (separator and low.isdigit() and high.isdigit() and 1024 <= int(low) <= int(high) <= 65535):
+        raise argparse.ArgumentTypeError(f"expected LOW-HIGH with 1024 <= LOW <= HIGH <= 65535, got {value!r}")
+    return value
 
 
 def parse_failure_policy(value: str) -> KVLoadFailurePolicy:
@@ -233,6 +249,8 @@ async def run_pod(
         ServerOptions(host=args.host, port=args.port, grace_seconds=args.grace_seconds),
         interceptors=tracing.server_interceptors(untraced),
     )
+    # UCX reads it when the NIXL agent starts, inside Pod().
+    os.environ["UCX_TCP_PORT_RANGE"] = args.kv_port_range
     for add_to_server, servicer, name in services:
         servicer.use_tracing(tracing)
         server.add_service(add_to_server, servicer, name)
@@ -242,6 +260,8 @@ async def run_pod(
         port = await server.start()
         if role is KVRole.PRODUCER and not pod_config.advertise_address:
             pod_config = dataclasses.replace(pod_config, advertise_address=f"{args.host}:{port}")
+        logger.info("torch threads: %s; KV transfer ports: %s", pod_config.num_threads or "torch's default",
+                    args.kv_port_range)
         pod = await asyncio.get_running_loop().run_in_executor(None, Pod, role, pod_config)
         pod.loop.is_timing_requests = tracing.is_enabled  # the timelines only feed trace spans
         pod.start()
