@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
         config = pod_config(args)
     except ValueError as exc:
         sys.exit(f"pdserve decode: {exc}")
-    servicer = DecodeServicer(ServiceMetrics(), KvSourceCache())
+    servicer = DecodeServicer(ServiceMetrics(), KvSourceCache(probe_port_range=args.kv_port_range))
     services = [(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, SERVICE_NAME)]
     asyncio.run(
         run_pod(KVRole.CONSUMER, args, config, env=dict(os.environ), service_name="decode", services=services)

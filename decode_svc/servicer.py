@@ -54,6 +54,7 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
         super().__init__()
         self.metrics = metrics
         self.sources = sources
+        sources.on_probe_failure = lambda result: metrics.kv_transport_failures.labels(result.transport).inc()
         self._traces: dict[str, _DecodeTrace] = {}
         self._late_releases: dict[str, otel_context.Context] = {}
 
@@ -123,7 +124,10 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
                     if is_first:
                         stats = self.pod.connector.pop_pull_stats(request_id) or early_stats
                         self.metrics.record_transfer(stats.num_bytes, stats.seconds)
-                        self._end_pull_span(request_id, stats)
+                        transport = self.sources.transport_of(work.handle) if work.handle is not None else None
+                        if transport is not None:
+                            self.metrics.kv_pulls.labels(transport, stats.outcome.value).inc()
+                        self._end_pull_span(request_id, stats, transport)
                         chunk = dataclasses.replace(chunk, kv_pull=stats)
                         is_first = False
                     if token_ids and first_token_at is None:
@@ -206,7 +210,7 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
             )
         return trace.set_span_in_context(traced.pull_span, traced.parent)
 
-    def _end_pull_span(self, request_id: str, stats: KvPullStats) -> None:
+    def _end_pull_span(self, request_id: str, stats: KvPullStats, transport: str | None) -> None:
         traced = self._traces.get(request_id)
         if traced is None:
             return
@@ -221,6 +225,8 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
             SpanAttr.KV_GBPS: stats.num_bytes / stats.seconds / 1e9 if stats.seconds > 0 else 0.0,
             SpanAttr.KV_OUTCOME: stats.outcome.value,
         }
+        if transport is not None:
+            attributes[SpanAttr.KV_TRANSPORT] = transport
         if traced.pull_span is None:
             if stats.outcome is KvPullOutcome.NO_HANDLE:
                 return

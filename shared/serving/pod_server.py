@@ -249,8 +249,11 @@ async def run_pod(
         ServerOptions(host=args.host, port=args.port, grace_seconds=args.grace_seconds),
         interceptors=tracing.server_interceptors(untraced),
     )
-    # UCX reads it when the NIXL agent starts, inside Pod().
+    # UCX reads these when the NIXL agent starts, inside Pod(). Non-blocking connects: with UCX's default
+    # blocking connect, a peer whose KV ports drop packets stalls the engine thread for the kernel's whole
+    # SYN retry time (about two minutes) instead of failing the pull at its deadline.
     os.environ["UCX_TCP_PORT_RANGE"] = args.kv_port_range
+    os.environ.setdefault("UCX_TCP_CONN_NB", "y")
     for add_to_server, servicer, name in services:
         servicer.use_tracing(tracing)
         server.add_service(add_to_server, servicer, name)
