@@ -11,7 +11,7 @@ from opentelemetry import context as otel_context
 
 from proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from shared.serving import convert
-from decode_svc.transport_probe import ProbeResult, TransportProbe
+from decode_svc.transport_probe import ProbeResult, TransportProbe, derive_transport
 from shared.engine.kv_transfer.handle import KvHandle
 from shared.engine.kv_transfer.handle import KvSource
 
@@ -72,8 +72,8 @@ class KvSourceCache:
             )
         self._sources[handle.engine_id] = described.source
         if self._probe_port_range is not None and handle.engine_id not in self._transports:
+            self._transports[handle.engine_id] = derive_transport(described.source, handle.source_address)
             # In the background: a blocked path may take the probe's whole timeout, and requests go on.
-            self._transports[handle.engine_id] = "unknown"
             task = asyncio.ensure_future(self._check_transport(handle, described.source))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -88,8 +88,8 @@ class KvSourceCache:
         loop = asyncio.get_running_loop()
         if self._probe is None:  # made late: UCX reads the port range when the agent starts
             self._probe = await loop.run_in_executor(None, TransportProbe, self._probe_port_range)
-        result = await loop.run_in_executor(None, self._probe.probe, source, handle.source_address)
-        self._transports[handle.engine_id] = result.transport
+        result = await loop.run_in_executor(None, self._probe.probe, source, handle.source_address,
+                                            self._transports[handle.engine_id])
         if not result.is_ok and self.on_probe_failure is not None:
             self.on_probe_failure(result)
 

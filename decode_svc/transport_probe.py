@@ -83,8 +83,8 @@ class TransportProbe:
         self._scratch = np.zeros(PROBE_BYTES, dtype=np.uint8)
         self._reg = self._agent.register_memory([(self._scratch.ctypes.data, PROBE_BYTES, 0, "")], "DRAM")
 
-    def probe(self, source: KvSource, peer_address: str) -> ProbeResult:
-        transport = derive_transport(source, peer_address)
+    def probe(self, source: KvSource, peer_address: str, transport: str) -> ProbeResult:
+        """One READ from the source's first block; transport is what derive_transport() said (for the log)."""
         with self._lock:
             error = self._read(source)
         result = ProbeResult(peer_address, transport, self.port_range, error)

@@ -219,8 +219,8 @@ def test_the_kv_is_pulled_across_namespaces(lab: Lab) -> None:
     assert lab.generate(8) == {"num_tokens": 8, "finish_reason": "length"}
     assert lab.metric("decode", "pdserve_kv_pulls_total", transport="tcp", outcome="pulled") >= 1
     assert lab.metric("decode", "pdserve_kv_transfer_bytes_total") > 0
-    assert "KV transport check passed" in lab.log("decode")
-    assert "UCX tcp" in lab.log("decode")
+    lab.wait_for_log("decode", "KV transport check passed", timeout_s=15)  # the probe runs beside requests
+    assert "reads over UCX tcp" in lab.log("decode")
 
 
 def test_the_pull_works_behind_a_filter_that_allows_only_the_declared_ports(lab: Lab) -> None:
@@ -228,6 +228,7 @@ def test_the_pull_works_behind_a_filter_that_allows_only_the_declared_ports(lab:
     _restart_decode(lab)
     assert lab.generate(8)["num_tokens"] == 8
     assert lab.metric("decode", "pdserve_kv_pulls_total", transport="tcp", outcome="pulled") >= 1
+    lab.wait_for_log("decode", "KV transport check passed", timeout_s=15)
     assert lab.metric("decode", "pdserve_kv_transport_failures_total") == 0
 
 
