@@ -73,10 +73,10 @@ class KvSourceCache:
         self._sources[handle.engine_id] = described.source
         if self._probe_port_range is not None and handle.engine_id not in self._transports:
             self._transports[handle.engine_id] = derive_transport(described.source, handle.source_address)
-            # In the background: a blocked path may take the probe's whole timeout, and requests go on.
-            task = asyncio.ensure_future(self._check_transport(handle, described.source))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            # Before the pull, while prefill holds this request's blocks: only then does its engine loop
+            # drive UCX, which a READ over TCP needs from the side being read. Once per engine; a blocked
+            # path costs this request the probe's timeout.
+            await self._check_transport(handle, described.source)
         return described.source
 
     def transport_of(self, handle: KvHandle) -> str:

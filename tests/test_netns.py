@@ -64,6 +64,7 @@ class Lab:
         self.processes: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
         self._created: list[str] = []
+        self._num_starts = 0
         try:
             self._build(suffix)
         except BaseException:
@@ -104,7 +105,8 @@ class Lab:
             if tier == "prefill":
                 args += ["--advertise-address", f"{address}:{port}"]
         args += ["--host", address, "--port", str(port), *extra]
-        log = self.root / f"{tier}-{len(self.logs)}.log"
+        self._num_starts += 1
+        log = self.root / f"{self._num_starts:02d}-{tier}.log"
         self.logs[tier] = log
         env = {**os.environ, "PYTHONPATH": str(REPO), "UCX_TLS": "tcp,self,sm"}
         with open(log, "w") as handle:
