@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from decode_svc.flags import build_arg_parser, pod_config
+from decode_svc.flags import build_arg_parser, pod_config, prefill_client_config
 from decode_svc.kv_sources import KvSourceCache
 from decode_svc.servicer import DecodeServicer
 from proto.pdserve.v1 import decode_pb2_grpc
@@ -22,9 +22,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s decode %(levelname)s %(name)s: %(message)s")
     try:
         config = pod_config(args)
+        client_config = prefill_client_config(args)
     except ValueError as exc:
         sys.exit(f"pdserve decode: {exc}")
-    servicer = DecodeServicer(ServiceMetrics(), KvSourceCache(probe_port_range=args.kv_port_range))
+    servicer = DecodeServicer(ServiceMetrics(), KvSourceCache(client_config, probe_port_range=args.kv_port_range))
     services = [(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, SERVICE_NAME)]
     asyncio.run(
         run_pod(KVRole.CONSUMER, args, config, env=dict(os.environ), service_name="decode", services=services)

@@ -9,15 +9,11 @@ from typing import Callable
 import grpc
 from opentelemetry import context as otel_context
 
-from proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
-from shared.serving import convert
 from decode_svc.transport_probe import ProbeResult, TransportProbe, derive_transport
-from shared.engine.kv_transfer.handle import KvHandle
-from shared.engine.kv_transfer.handle import KvSource
+from shared.engine.kv_transfer.handle import KvHandle, KvSource
+from shared.serving.prefill_client import PrefillClient, PrefillClientConfig
 
 logger = logging.getLogger(__name__)
-
-RPC_TIMEOUT_S = 5.0
 
 
 class KvSourceUnavailable(RuntimeError):
@@ -27,8 +23,10 @@ class KvSourceUnavailable(RuntimeError):
 class KvSourceCache:
     """Channels to prefill pods by address, and their KV sources by engine id."""
 
-    def __init__(self, interceptors=(), *, probe_port_range: str | None = None):
+    def __init__(self, config: PrefillClientConfig = PrefillClientConfig(), interceptors=(), *,
+                 probe_port_range: str | None = None):
         """probe_port_range: check the KV path to each new prefill engine with a probe READ (None: never)."""
+        self._config = config
         self._interceptors = list(interceptors)
         self._probe_port_range = probe_port_range
         self._probe: TransportProbe | None = None
@@ -48,22 +46,19 @@ class KvSourceCache:
             raise RuntimeError("interceptors must be set before the first channel is opened")
         self._interceptors = list(interceptors)
 
-    def _stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
+    def _client(self, address: str) -> PrefillClient:
         channel = self._channels.get(address)
         if channel is None:
             channel = grpc.aio.insecure_channel(address, interceptors=self._interceptors)
             self._channels[address] = channel
-        return prefill_pb2_grpc.PrefillServiceStub(channel)
+        return PrefillClient(channel, self._config)
 
     async def get(self, handle: KvHandle) -> KvSource:
         cached = self._sources.get(handle.engine_id)
         if cached is not None:
             return cached
         try:
-            answer = await self._stub(handle.source_address).GetKvSource(
-                prefill_pb2.GetKvSourceRequest(), timeout=RPC_TIMEOUT_S
-            )
-            described = convert.kv_source_from_proto(answer)
+            described = await self._client(handle.source_address).get_kv_source()
         except (grpc.aio.AioRpcError, ValueError) as exc:
             raise KvSourceUnavailable(f"GetKvSource from {handle.source_address} failed: {exc}") from exc
         if described.engine_id != handle.engine_id:
@@ -111,11 +106,7 @@ class KvSourceCache:
         context = self.release_context(request_id) if self.release_context is not None else None
         token = otel_context.attach(context) if context is not None else None
         try:
-            answer = await self._stub(handle.source_address).ReleaseKv(
-                prefill_pb2.ReleaseKvRequest(request_id=request_id, engine_id=handle.engine_id),
-                timeout=RPC_TIMEOUT_S,
-            )
-            intact = answer.intact
+            intact = await self._client(handle.source_address).release_kv(request_id, handle.engine_id)
         except grpc.aio.AioRpcError as exc:
             logger.warning("ReleaseKv(%s) at %s failed: %s", request_id, handle.source_address, exc.code())
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):

@@ -16,11 +16,12 @@ from opentelemetry import trace
 from proto.pdserve.v1 import common_pb2, decode_pb2_grpc
 from shared.serving import convert, wire
 from shared.serving.engine_thread import RequestStream
+from shared.serving.outcomes import KvUnusable, PodUnavailable, invalid_on_value_error
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy
 from shared.engine.kv_transfer.handle import KvPullOutcome, KvPullStats
-from shared.engine.kv_transfer.nixl_connector import REMOTE_HANDLE, REMOTE_SOURCE
+from shared.engine.kv_transfer.handoff import PullFromPeer
 from shared.serving.metrics import ServiceMetrics
-from shared.serving.pod_server import ADMISSION_ERRORS, STREAM_ERRORS, PodServicer, admission_status, stream_status
+from shared.serving.pod_server import PodServicer
 from shared.engine.request import FinishReason, Request
 from shared.serving.telemetry import SpanAttr
 
@@ -33,10 +34,6 @@ PULL_ABORTED = "aborted"
 # Requests that ended mid-pull still confirm the pull (ReleaseKv) later; their trace context waits
 # here for that call, bounded in case a confirmation never comes.
 MAX_LATE_RELEASES = 1024
-
-
-class KvUnusable(RuntimeError):
-    """The handle's KV cannot be used and the kv-load-failure policy says fail instead of recompute."""
 
 
 @dataclass
@@ -79,85 +76,51 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
         await self.sources.close()
 
     async def Decode(self, request, context: grpc.aio.ServicerContext):
-        await self.admit(context)
-        started = time.monotonic()
-        parent = self.trace_parent()
-        outcome = "cancelled"  # the caller went away, unless something below decides otherwise
-        request_id = None
-        traced: _DecodeTrace | None = None
-        stream: RequestStream | None = None
-        finish_reason: FinishReason | None = None
-        num_tokens = 0
-        first_token_at = None
-        try:
-            try:
+        async with await self.start_call(context, None) as call:
+            with invalid_on_value_error():
                 work = convert.decode_request_from_proto(request, vocab_size=self.pod.vocab_size)
                 self.pod.check_prompt_fits(len(work.prompt_token_ids) + len(work.generated_token_ids))
-            except ValueError as exc:
-                outcome = "invalid"
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            request_id = work.request_id
-            span = trace.get_current_span()
-            span.set_attribute(SpanAttr.REQUEST_ID, request_id)
-            span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(work.prompt_token_ids))
-            if parent is not None and request_id not in self._traces:
-                traced = self._traces[request_id] = _DecodeTrace(parent)
+            call.span.set_attribute(SpanAttr.REQUEST_ID, work.request_id)
+            call.span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(work.prompt_token_ids))
+            traced = None
+            if call.parent is not None and work.request_id not in self._traces:
+                traced = self._traces[work.request_id] = _DecodeTrace(call.parent)
+            finish_reason = None
             try:
                 engine_request, early_stats = await self._engine_request(work)
-            except KvUnusable as exc:
-                outcome = "error"
-                await context.abort(grpc.StatusCode.ABORTED, str(exc))
-            try:
-                stream = self.pod.submit(engine_request)
-            except ADMISSION_ERRORS as exc:
-                code, outcome = admission_status(exc)
-                await context.abort(code, str(exc))
-            if traced is not None:
-                traced.stream = stream
-            is_first = True
-            stats = None
-            try:
+                stream = call.submit(engine_request)
+                if traced is not None:
+                    traced.stream = stream
+                pull_stats = None
                 async for outputs in stream.batches():
                     token_ids = [t for output in outputs for t in output.new_token_ids]
                     finish_reason = outputs[-1].finish_reason
                     chunk = wire.DecodeChunk(token_ids=token_ids, finish_reason=finish_reason)
-                    if is_first:
-                        stats = self.pod.connector.pop_pull_stats(request_id) or early_stats
-                        self.metrics.record_transfer(stats.num_bytes, stats.seconds)
-                        transport = self.sources.transport_of(work.handle) if work.handle is not None else None
-                        if transport is not None:
-                            self.metrics.kv_pulls.labels(transport, stats.outcome.value).inc()
-                        self._end_pull_span(request_id, stats, transport)
-                        chunk = dataclasses.replace(chunk, kv_pull=stats)
-                        is_first = False
-                    if token_ids and first_token_at is None:
-                        first_token_at = time.monotonic()
-                        ttft_s = first_token_at - started
-                        self.metrics.ttft_seconds.observe(ttft_s)
-                        span.set_attribute(SpanAttr.TTFT_S, ttft_s)
-                    num_tokens += len(token_ids)
+                    if pull_stats is None:
+                        pull_stats = self._report_pull(work, early_stats)
+                        chunk = dataclasses.replace(chunk, kv_pull=pull_stats)
+                    call.count_tokens(len(token_ids))
                     if finish_reason is FinishReason.ERROR:
                         # Only the kv-load-failure policy "fail" ends a decode this way: say so.
-                        outcome = "error"
-                        await context.abort(grpc.StatusCode.ABORTED, self._failure_message(request_id, stats))
+                        raise KvUnusable(self._failure_message(work.request_id, pull_stats))
                     if finish_reason is not None:
-                        # Settled before the last message goes out: a caller may hang up once it has it.
-                        outcome = "ok"
-                        self.record_finish(span, num_tokens, finish_reason, first_token_at)
+                        call.finish(finish_reason)
                     yield convert.decode_chunk_to_proto(chunk)
-            except STREAM_ERRORS as exc:
-                code, outcome = stream_status(exc)
-                await context.abort(code, str(exc))
-            if finish_reason is None:
-                # The stream ended without a finish: the pod aborted the request (shutdown).
-                outcome = "error"
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "the pod stopped before the request finished")
-        finally:
-            if stream is not None and finish_reason is None:
-                self.pod.loop.abort(request_id)  # cancelled: frees blocks (after any READ in flight)
-            self.metrics.record_outcome(outcome)
-            if traced is not None:
-                self._end_trace(request_id, traced, num_tokens, finish_reason)
+                if finish_reason is None:
+                    raise PodUnavailable("the pod stopped before the request finished")
+            finally:
+                if traced is not None:
+                    self._end_trace(work.request_id, traced, call.num_output_tokens, finish_reason)
+
+    def _report_pull(self, work: wire.DecodeInput, early_stats: KvPullStats) -> KvPullStats:
+        """The pull's statistics, once its first output is ready: metrics (by UCX transport) and the kv-pull span."""
+        stats = self.pod.connector.pop_pull_stats(work.request_id) or early_stats
+        self.metrics.record_transfer(stats.num_bytes, stats.seconds)
+        transport = self.sources.transport_of(work.handle) if work.handle is not None else None
+        if transport is not None:
+            self.metrics.kv_pulls.labels(transport, stats.outcome.value).inc()
+        self._end_pull_span(work.request_id, stats, transport)
+        return stats
 
     def _failure_message(self, request_id: str, stats: KvPullStats | None) -> str:
         outcome = stats.outcome.value if stats is not None else "unknown"
@@ -165,7 +128,6 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
             f"request {request_id}: the prompt's KV could not be used (pull outcome: {outcome}) and this decode "
             f"pod's kv-load-failure policy is '{self.pod.config.kv_load_failure_policy.value}'"
         )
-
 
     async def _engine_request(self, work: wire.DecodeInput) -> tuple[Request, KvPullStats]:
         """The engine request continuing prompt + generated, with the handle if it can be pulled from."""
@@ -175,17 +137,18 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
         stats = KvPullStats(0, 0, 0, 0.0, KvPullOutcome.NO_HANDLE)
         if work.handle is not None:
             unusable = self.pod.connector.pull_precheck(work.handle)
-            try:
-                source = await self.sources.get(work.handle) if unusable is None else None
-                kv_params = {REMOTE_HANDLE: work.handle, REMOTE_SOURCE: source}
-            except KvSourceUnavailable as exc:
-                logger.warning("cannot pull %s: %s", work.request_id, exc)
-                unusable = KvPullOutcome.RECOMPUTED_ERROR
+            if unusable is None:
+                try:
+                    kv_params = PullFromPeer(work.handle, await self.sources.get(work.handle))
+                except KvSourceUnavailable as exc:
+                    logger.warning("cannot pull %s: %s", work.request_id, exc)
+                    unusable = KvPullOutcome.RECOMPUTED_ERROR
+            if unusable is not None:
+                # Nothing will be read: end the prefill pod's hold now, not at its lease's end.
                 self.sources.release_quietly(work.handle, work.request_id)
-            if unusable is not None and self.pod.config.kv_load_failure_policy is KVLoadFailurePolicy.FAIL:
-                raise KvUnusable(self._failure_message(work.request_id, KvPullStats(0, 0, 0, 0.0, unusable)))
-            if unusable is KvPullOutcome.RECOMPUTED_ERROR:
-                stats, kv_params = KvPullStats(0, 0, 0, 0.0, unusable), None
+                stats = KvPullStats(0, 0, 0, 0.0, unusable)
+                if self.pod.config.kv_load_failure_policy is KVLoadFailurePolicy.FAIL:
+                    raise KvUnusable(self._failure_message(work.request_id, stats))
         engine_request = Request(
             work.request_id,
             work.prompt_token_ids + work.generated_token_ids,

@@ -17,7 +17,6 @@ from typing import Any, Sequence
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.bench_stats import RequestRecord, Slo, build_report, markdown_table, request_rows, token_timeline
 from pdserve.client import AsyncPdserveClient
@@ -196,24 +195,6 @@ async def run_benchmark(target: str, config: WorkloadConfig, *, slo: Slo = Slo()
               "load_average_before": load_before, "load_average_after": os.getloadavg()}
     report["requests"] = request_rows(records)
     return report
-
-
-async def wait_for_serving(target: str, timeout_s: float, service: str = "") -> None:
-    """Polls the standard gRPC health service until it reports SERVING; TimeoutError otherwise."""
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            try:
-                response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
-                if response.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-                last = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
-            except grpc.aio.AioRpcError as exc:
-                last = exc.code().name
-            await asyncio.sleep(0.1)
-    raise TimeoutError(f"{target} not SERVING after {timeout_s:.0f}s (last: {last})")
 
 
 # ---- output ----------------------------------------------------------------------------------

@@ -76,7 +76,7 @@ def start_service(
         log_path = log_dir / f"{name}.log"
         stdout = open(log_path, "wb")  # the child owns the handle; closed when we drop it
     child_env = {**os.environ, **(env or {})}
-    # Huge pages for the KV pool make NIXL reads much faster (DESIGN.md section 3, issue 4 notes).
+    # Huge pages for the KV pool make NIXL reads much faster (DESIGN.md section 3).
     child_env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     process = subprocess.Popen(
         [sys.executable, "-m", module, *args],
@@ -92,7 +92,11 @@ def start_service(
 def wait_serving(service: ServiceProcess, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
     """Block until the standard health service says SERVING; RuntimeError if the process dies or times out."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(service.address) as channel:
+    # Reconnect every few ms: gRPC's default backoff (1 s and growing) would sleep past the moment
+    # the port opens while the model loads.
+    options = [("grpc.initial_reconnect_backoff_ms", 10), ("grpc.min_reconnect_backoff_ms", 10),
+               ("grpc.max_reconnect_backoff_ms", 100)]
+    with grpc.insecure_channel(service.address, options=options) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if not service.is_running():

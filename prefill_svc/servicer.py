@@ -14,12 +14,12 @@ from opentelemetry import trace
 
 from proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.serving import convert, wire
-from shared.serving.engine_thread import RequestStream
 from shared.engine.kv_transfer.handle import KvHandle
-from shared.engine.kv_transfer.nixl_connector import DO_REMOTE_DECODE, REMOTE_HANDLE
+from shared.engine.kv_transfer.handoff import HoldForPeer
 from shared.serving.metrics import ServiceMetrics
-from shared.serving.pod_server import ADMISSION_ERRORS, STREAM_ERRORS, PodServicer, admission_status, stream_status
-from shared.engine.request import FinishReason, Request, SamplingParams
+from shared.serving.outcomes import PodUnavailable, invalid_on_value_error
+from shared.serving.pod_server import PodServicer
+from shared.engine.request import FinishReason, Request
 from shared.serving.telemetry import SpanAttr
 
 logger = logging.getLogger(__name__)
@@ -27,19 +27,7 @@ logger = logging.getLogger(__name__)
 # kv-hold span outcomes (SpanAttr.KV_OUTCOME).
 HOLD_RELEASED = "released"  # the decode pod confirmed its pull in time: the data it read is good
 HOLD_EXPIRED = "expired"  # the lease ran out first: the blocks were freed, a late pull is refused
-HOLD_ABANDONED = "abandoned"  # token 1 ended the request: nobody will pull
 HOLD_SHUTDOWN = "shutdown"  # the pod stopped while holding
-
-
-def first_token_finish_reason(
-    token_id: int, params: SamplingParams, eos_token_id: int | None, num_prompt_tokens: int, max_model_len: int
-) -> FinishReason | None:
-    """Whether token 1 already ends the request, checked in the scheduler's order (stop tokens, then length)."""
-    if token_id in params.stop_token_ids or (token_id == eos_token_id and not params.ignore_eos):
-        return FinishReason.STOP
-    if params.max_tokens == 1 or num_prompt_tokens + 1 >= max_model_len:
-        return FinishReason.LENGTH
-    return None
 
 
 @dataclass
@@ -60,81 +48,45 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
         self._hold_spans: dict[str, _HoldSpan] = {}
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
-        await self.admit(context)
-        started = time.monotonic()
-        parent = self.trace_parent()
-        outcome = "cancelled"  # the caller went away, unless something below decides otherwise
-        stream: RequestStream | None = None
-        final = None
-        try:
-            try:
+        async with await self.start_call(context, "prefill") as call:
+            with invalid_on_value_error():
                 work = convert.prefill_request_from_proto(request, vocab_size=self.pod.vocab_size)
                 self.pod.check_prompt_fits(len(work.prompt_token_ids))
-            except ValueError as exc:
-                outcome = "invalid"
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            span = trace.get_current_span()
-            span.set_attribute(SpanAttr.REQUEST_ID, work.request_id)
-            span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(work.prompt_token_ids))
+            call.span.set_attribute(SpanAttr.REQUEST_ID, work.request_id)
+            call.span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(work.prompt_token_ids))
             # Token 1 only: the rest is the decode pod's. The original params decide the handoff.
-            engine_request = Request(
+            stream = call.submit(Request(
                 work.request_id,
                 work.prompt_token_ids,
                 dataclasses.replace(work.sampling, max_tokens=1),
                 eos_token_id=self.pod.eos_token_id,
-                kv_transfer_params={DO_REMOTE_DECODE: work.sampling.max_tokens > 1},
-            )
-            try:
-                stream = self.pod.submit(engine_request)
-            except ADMISSION_ERRORS as exc:
-                code, outcome = admission_status(exc)
-                await context.abort(code, str(exc))
-            tokens = []
-            try:
-                async for output in stream:
-                    tokens.extend(output.new_token_ids)
-                    final = output
-            except STREAM_ERRORS as exc:
-                code, outcome = stream_status(exc)
-                await context.abort(code, str(exc))
+                kv_transfer_params=HoldForPeer() if work.sampling.max_tokens > 1 else None,
+            ))
+            tokens, final = [], None
+            async for output in stream:
+                tokens.extend(output.new_token_ids)
+                final = output
             if final is None:
-                outcome = "error"
-                await context.abort(grpc.StatusCode.ABORTED, "the request was aborted before token 1")
-            outcome = "error"  # until the answer is built
-            result = self._result(work, final, tokens, parent)
-            ttft_s = time.monotonic() - started
-            self.metrics.ttft_seconds.observe(ttft_s)
-            span.set_attribute(SpanAttr.TTFT_S, ttft_s)
-            span.set_attribute(SpanAttr.NUM_OUTPUT_TOKENS, 1)
+                raise PodUnavailable("the pod stopped the request before token 1")
+            if final.finished:
+                call.engine_request_finished()
+            result = self._result(work, final, tokens, call.parent)
+            call.count_tokens(1)
+            call.span.set_attribute(SpanAttr.NUM_OUTPUT_TOKENS, 1)
             if result.finish_reason is not None:
-                span.set_attribute(SpanAttr.FINISH_REASON, result.finish_reason.value)
-            outcome = "ok"
+                call.span.set_attribute(SpanAttr.FINISH_REASON, result.finish_reason.value)
             return convert.prefill_result_to_proto(result)
-        finally:
-            if stream is not None:
-                if final is None or not final.finished:
-                    # Cancelled (client gone, deadline): the engine frees the request's blocks.
-                    self.pod.loop.abort(stream.request_id)
-                self.record_stage_spans("prefill", parent, stream.timeline, {SpanAttr.REQUEST_ID: stream.request_id})
-            self.metrics.record_outcome(outcome)
 
     def _result(self, work: wire.PrefillInput, final, tokens: list[int], parent) -> wire.PrefillResult:
         if final.finish_reason is FinishReason.ERROR or not tokens:
             raise RuntimeError(f"prefill of {work.request_id} ended with {final.finish_reason} and no token")
         token_id = tokens[0]
-        handle = (final.kv_transfer_params or {}).get(REMOTE_HANDLE)
         num_prompt = len(work.prompt_token_ids)
-        reason = first_token_finish_reason(
-            token_id, work.sampling, self.pod.eos_token_id, num_prompt, self.pod.max_model_len
-        )
-        if handle is not None:
-            self._trace_hold(work.request_id, handle, parent)
-        if reason is not None or handle is None:
-            if handle is not None:
-                self.pod.connector.release(work.request_id, handle.engine_id)  # nobody will pull it
-                self._end_hold_span(work.request_id, HOLD_ABANDONED)
-            return wire.PrefillResult(token_id, num_prompt, finish_reason=reason or final.finish_reason)
-        return wire.PrefillResult(token_id, num_prompt, handle=handle)
+        if final.kv_handle is None:
+            # Token 1 ended the request (stop token, max_tokens 1, the model's length): nobody pulls.
+            return wire.PrefillResult(token_id, num_prompt, finish_reason=final.finish_reason)
+        self._trace_hold(work.request_id, final.kv_handle, parent)
+        return wire.PrefillResult(token_id, num_prompt, handle=final.kv_handle)
 
     # ---- kv-hold spans -------------------------------------------------------------------------
     def _trace_hold(self, request_id: str, handle: KvHandle, parent) -> None:

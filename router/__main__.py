@@ -12,11 +12,12 @@ from prometheus_client import CollectorRegistry
 from proto.pdserve.v1 import decode_pb2_grpc, generate_pb2_grpc, prefill_pb2_grpc
 from router.flags import RouterConfig, build_arg_parser
 from router.metrics import RouterMetrics
-from router.servicer import RouterServicer, RouterSettings
+from router.servicer import RouterServicer
 from shared.serving.text import TextCodec
-from router.workers import PoolSettings, WorkerPool
+from router.workers import WorkerPool
 from shared.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServerOptions
 from shared.serving.metrics import start_metrics_server
+from shared.serving.prefill_client import PrefillClient
 from shared.serving.telemetry import TracingConfig, setup_tracing
 
 logger = logging.getLogger("router")
@@ -46,27 +47,22 @@ async def run(config: RouterConfig, *, env: dict[str, str], codec: TextCodec | N
         if server.is_started:
             await server.set_serving(prefill.has_healthy and decode.has_healthy)
 
-    settings = PoolSettings(
-        health_interval_s=config.health_interval_s,
-        resolve_interval_s=config.resolve_interval_s,
-        probe_timeout_s=config.probe_timeout_s,
+    pool_wiring = dict(
         channel_options=[
             ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
         ],
         interceptors=tracing.client_interceptors(),
+        on_poll=update_health,
     )
-    prefill = WorkerPool("prefill", config.prefill, prefill_pb2_grpc.PrefillServiceStub, PREFILL_SERVICE, settings,
-                         on_poll=update_health)
-    decode = WorkerPool("decode", config.decode, decode_pb2_grpc.DecodeServiceStub, DECODE_SERVICE, settings,
-                        on_poll=update_health)
-    servicer = RouterServicer(
-        prefill, decode,
-        RouterSettings(
-            config.policy, config.max_prefill_retries, config.max_decode_retries, config.request_timeout_s
-        ),
-        codec=codec, metrics=metrics, tracer=tracing.tracer,
+    prefill = WorkerPool(
+        "prefill", config.prefill, prefill_pb2_grpc.PrefillServiceStub, PREFILL_SERVICE, config.pool,
+        client_class=lambda channel: PrefillClient(channel, config.prefill_client), **pool_wiring,
     )
+    decode = WorkerPool(
+        "decode", config.decode, decode_pb2_grpc.DecodeServiceStub, DECODE_SERVICE, config.pool, **pool_wiring
+    )
+    servicer = RouterServicer(prefill, decode, config, codec=codec, metrics=metrics, tracer=tracing.tracer)
     server.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer, GENERATE_SERVICE)
     server.on_shutdown(servicer.drain)
     try:

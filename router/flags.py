@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from shared.serving.prefill_client import PrefillClientConfig
+from shared.serving.settings import add_flags, config_from_args, setting, settings_group
 
 POLICIES = ("least-loaded", "round-robin")
 
@@ -61,23 +64,60 @@ def parse_worker_list(values: list[str] | None) -> tuple[WorkerSpec, ...]:
     return tuple(specs)
 
 
+def _none_if_empty(value: str | None) -> str | None:
+    return value or None
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """How the router keeps track of one tier's workers."""
+
+    health_interval_s: float = field(default=1.0, metadata=setting(
+        "seconds between health/load polls", flag="--health-interval"
+    ))
+    resolve_interval_s: float = field(default=10.0, metadata=setting(
+        "seconds between DNS re-resolutions", flag="--resolve-interval"
+    ))
+    probe_timeout_s: float = field(default=1.0, metadata=setting(
+        "seconds a health or load probe may take", flag="--probe-timeout"
+    ))
+
+    def __post_init__(self) -> None:
+        for name in ("health_interval_s", "resolve_interval_s", "probe_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
 @dataclass(frozen=True)
 class RouterConfig:
-    prefill: tuple[WorkerSpec, ...]
-    decode: tuple[WorkerSpec, ...]
-    host: str = "127.0.0.1"
-    port: int = 50051
-    policy: str = "least-loaded"
-    metrics_port: int | None = None
-    otlp_endpoint: str | None = None
-    tokenizer_path: str | None = None
-    max_prefill_retries: int = 2
-    max_decode_retries: int = 2
-    health_interval_s: float = 1.0
-    resolve_interval_s: float = 10.0
-    probe_timeout_s: float = 1.0
-    grace_seconds: float = 5.0
-    request_timeout_s: float = 600.0  # applies when the client sets no deadline: nothing waits forever
+    """Every router setting; each field with setting() metadata is a flag (shared/serving/settings.py)."""
+
+    prefill: tuple[WorkerSpec, ...] = field(metadata=setting(
+        "prefill workers: host:port or dns:name:port; repeatable or comma separated",
+        parse=parse_worker_list, action="append", metavar="ADDR",
+    ))
+    decode: tuple[WorkerSpec, ...] = field(metadata=setting(
+        "decode workers: host:port or dns:name:port; repeatable or comma separated",
+        parse=parse_worker_list, action="append", metavar="ADDR",
+    ))
+    host: str = field(default="127.0.0.1", metadata=setting("address to listen on"))
+    port: int = field(default=50051, metadata=setting("port to listen on (0 picks one)"))
+    policy: str = field(default="least-loaded", metadata=setting("how a worker is picked", choices=POLICIES))
+    metrics_port: int | None = field(default=None, metadata=setting("Prometheus /metrics port (off when unset)"))
+    otlp_endpoint: str | None = field(default=None, metadata=setting(
+        "OTLP gRPC endpoint for traces, e.g. localhost:4317", parse=_none_if_empty
+    ))
+    tokenizer_path: str | None = field(default=None, metadata=setting(
+        "tokenizer.json (or a directory holding one) for text prompts", flag="--tokenizer", parse=_none_if_empty
+    ))
+    max_prefill_retries: int = field(default=2, metadata=setting("prefill attempts on other workers after a failure"))
+    max_decode_retries: int = field(default=2, metadata=setting("decode re-issues on other workers after a failure"))
+    request_timeout_s: float | None = field(default=600.0, metadata=setting(
+        "deadline (seconds) for calls that arrive without one", flag="--request-timeout"
+    ))
+    grace_seconds: float = field(default=5.0, metadata=setting("graceful shutdown period"))
+    pool: PoolConfig = field(default_factory=PoolConfig, metadata=settings_group())
+    prefill_client: PrefillClientConfig = field(default_factory=PrefillClientConfig, metadata=settings_group())
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -93,53 +133,19 @@ class RouterConfig:
         for name in ("max_prefill_retries", "max_decode_retries"):
             if not 0 <= getattr(self, name) <= 10:
                 raise ValueError(f"{name} must be in [0, 10], got {getattr(self, name)}")
-        for name in ("health_interval_s", "resolve_interval_s", "probe_timeout_s", "request_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.grace_seconds < 0:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RouterConfig":
-        return cls(
-            prefill=parse_worker_list(args.prefill),
-            decode=parse_worker_list(args.decode),
-            host=args.host,
-            port=args.port,
-            policy=args.policy,
-            metrics_port=args.metrics_port,
-            otlp_endpoint=args.otlp_endpoint or None,
-            tokenizer_path=args.tokenizer or None,
-            max_prefill_retries=args.max_prefill_retries,
-            max_decode_retries=args.max_decode_retries,
-            health_interval_s=args.health_interval,
-            resolve_interval_s=args.resolve_interval,
-            grace_seconds=args.grace_seconds,
-            request_timeout_s=args.request_timeout,
-        )
+        return config_from_args(cls, args)
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m router", description="pdserve router: Generate -> prefill -> decode"
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=50051, help="port to listen on (0 picks one)")
-    parser.add_argument("--prefill", action="append", metavar="ADDR",
-                        help="prefill workers: host:port or dns:name:port; repeatable or comma separated")
-    parser.add_argument("--decode", action="append", metavar="ADDR",
-                        help="decode workers: host:port or dns:name:port; repeatable or comma separated")
-    parser.add_argument("--policy", choices=POLICIES, default="least-loaded")
-    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (off when unset)")
-    parser.add_argument("--otlp-endpoint", default=None, help="OTLP gRPC endpoint for traces, e.g. localhost:4317")
-    parser.add_argument(
-        "--tokenizer", default=None, help="tokenizer.json (or a directory holding one) for text prompts"
-    )
-    parser.add_argument("--max-prefill-retries", type=int, default=2)
-    parser.add_argument("--max-decode-retries", type=int, default=2)
-    parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between health/load polls")
-    parser.add_argument("--resolve-interval", type=float, default=10.0, help="seconds between DNS re-resolutions")
-    parser.add_argument("--request-timeout", type=float, default=600.0,
-                        help="deadline (seconds) for calls that arrive without one")
-    parser.add_argument("--grace-seconds", type=float, default=5.0, help="graceful shutdown period")
+    add_flags(parser, RouterConfig)
     return parser

@@ -3,19 +3,23 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+from shared.serving.metrics import TTFT_BUCKETS_S
+from shared.serving.outcomes import OUTCOMES
+
 
 
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry):
         self.registry = registry
         self.requests = Counter(
-            "pdserve_router_requests", "Generate calls by outcome (ok, cancelled, or a gRPC status)",
+            "pdserve_router_requests", "Generate calls by outcome (the pods' labels)",
             ["outcome"], registry=registry,
         )
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome=outcome)
         self.ttft_seconds = Histogram(
             "pdserve_router_ttft_seconds", "Time from the Generate call to token 1 leaving the router",
-            buckets=TTFT_BUCKETS, registry=registry,
+            buckets=TTFT_BUCKETS_S, registry=registry,
         )
         self.retries = Counter(
             "pdserve_router_retries", "Downstream calls retried on another worker", ["tier"], registry=registry,

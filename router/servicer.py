@@ -12,18 +12,18 @@ from typing import AsyncIterator
 import grpc
 from opentelemetry import trace
 
-from proto.pdserve.v1 import generate_pb2_grpc, prefill_pb2
+from proto.pdserve.v1 import generate_pb2_grpc
+from router.flags import RouterConfig
 from router.metrics import RouterMetrics
 from router.policy import NoPick, pick
 from shared.serving.text import TextCodec
 from router.workers import WorkerPool
 from shared.serving import convert, wire
+from shared.engine.kv_transfer.handle import KvHandle, KvPullStats
 from shared.engine.request import FinishReason, SamplingParams
+from shared.serving.outcomes import CANCELLED, ERROR, OK, outcome_of_code
 
 logger = logging.getLogger(__name__)
-
-RELEASE_TIMEOUT_S = 2.0
-
 
 class RouteError(Exception):
     """Ends the client's call with this status."""
@@ -49,14 +49,6 @@ class _Deadline:
         return left
 
 
-@dataclass(frozen=True)
-class RouterSettings:
-    policy: str = "least-loaded"
-    max_prefill_retries: int = 2
-    max_decode_retries: int = 2
-    request_timeout_s: float | None = None  # deadline for calls that arrive without one
-
-
 @dataclass
 class _Hold:
     """A prefill pod's KV hold for one request; settled once a decode pod has confirmed (or the router
@@ -64,7 +56,7 @@ class _Hold:
 
     prefill_address: str
     request_id: str
-    handle: convert.KvHandle
+    handle: KvHandle
     is_settled: bool = False
 
 
@@ -77,14 +69,14 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         self,
         prefill: WorkerPool,
         decode: WorkerPool,
-        settings: RouterSettings,
+        config: RouterConfig,
         codec: TextCodec | None = None,
         metrics: RouterMetrics | None = None,
         tracer: trace.Tracer | None = None,
     ):
         self._prefill = prefill
         self._decode = decode
-        self._settings = settings
+        self._config = config
         self._codec = codec
         self._metrics = metrics
         self._tracer = tracer or trace.NoOpTracer()
@@ -97,7 +89,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         # Pods key holds by request id, and two clients may pick the same one: suffix it downstream.
         pod_request_id = f"{request_id}.{uuid.uuid4().hex[:8]}" if request.request_id else request_id
         start = time.monotonic()
-        outcome = "error"
+        outcome = ERROR
         try:
             prompt_ids, sampling = self._validate(request)
             # The server span (from the tracing interceptor, when on) is current here.
@@ -106,37 +98,29 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             span.set_attribute("pdserve.num_prompt_tokens", len(prompt_ids))
             span.set_attribute("pdserve.max_tokens", sampling.max_tokens)
             remaining = context.time_remaining()
-            deadline = _Deadline(self._settings.request_timeout_s if remaining is None else remaining)
+            deadline = _Deadline(self._config.request_timeout_s if remaining is None else remaining)
             text = self._codec.stream() if self._codec is not None else None
             async for chunk in self._route(request_id, pod_request_id, prompt_ids, sampling, deadline, text, start):
                 yield chunk
-            outcome = "ok"
+            outcome = OK
         except RouteError as exc:
-            outcome = exc.code.name.lower()
+            outcome = outcome_of_code(exc.code)
             await context.abort(exc.code, exc.message)
         except asyncio.CancelledError:
-            outcome = "cancelled"
+            outcome = CANCELLED
             raise
         finally:
             if self._metrics is not None:
                 self._metrics.requests.labels(outcome=outcome).inc()
 
     def _validate(self, request) -> tuple[list[int], SamplingParams]:
+        encode = self._codec.encode if self._codec is not None else None
         try:
-            prompt = convert.generate_prompt_from_proto(request)
-            sampling = convert.sampling_params_from_proto(request.sampling if request.HasField("sampling") else None)
+            return convert.generate_input_from_proto(
+                request, encode, no_tokenizer_hint="start the router with --tokenizer"
+            )
         except ValueError as exc:
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        if isinstance(prompt, str):
-            if self._codec is None:
-                raise RouteError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    "text prompts need a tokenizer: start the router with --tokenizer, or send token_ids",
-                )
-            prompt = self._codec.encode(prompt)
-            if not prompt:
-                raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, "prompt text encodes to no tokens")
-        return prompt, sampling
 
     async def _route(self, request_id, pod_request_id, prompt_ids, sampling, deadline, text, start) -> AsyncIterator:
         result, prefill_address = await self._run_prefill(pod_request_id, prompt_ids, sampling, deadline)
@@ -146,7 +130,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             return convert.generate_chunk_to_proto(
                 request_id=request_id,
                 token_ids=token_ids,
-                text=text.push(token_ids) if text is not None else "",
+                text=text.push(token_ids, final=finish is not None) if text is not None else "",
                 finish_reason=finish,
                 num_prompt_tokens=len(prompt_ids),
                 num_output_tokens=len(generated),
@@ -175,8 +159,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         turn = self._turns[pool.tier]
         self._turns[pool.tier] = turn + 1
         with self._tracer.start_as_current_span(f"route {pool.tier}") as span:
-            choice = pick(self._settings.policy, pool.views(), turn, exclude)
-            span.set_attribute("pdserve.policy", self._settings.policy)
+            choice = pick(self._config.policy, pool.views(), turn, exclude)
+            span.set_attribute("pdserve.policy", self._config.policy)
             span.set_attribute("pdserve.worker", choice.address or "")
             span.set_attribute("pdserve.excluded", list(exclude))
             if choice.reason is not None:
@@ -199,19 +183,22 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     # ---- prefill ------------------------------------------------------------------------------
     async def _run_prefill(self, request_id, prompt_ids, sampling, deadline):
-        message = convert.prefill_request_to_proto(request_id, prompt_ids, sampling)
         tried: list[str] = []
         last_error = None
         reason = None
-        for _ in range(1 + self._settings.max_prefill_retries):
+        for _ in range(1 + self._config.max_prefill_retries):
             choice = self._pick(self._prefill, tried)
             if choice.address is None:
                 reason = choice.reason
                 break
             tried.append(choice.address)
             try:
-                with self._prefill.use(choice.address) as stub:
-                    response = await stub.Prefill(message, timeout=deadline.remaining())
+                with self._prefill.use(choice.address) as client:
+                    result = await client.prefill(request_id, prompt_ids, sampling, timeout_s=deadline.remaining())
+            except ValueError as exc:
+                raise RouteError(
+                    grpc.StatusCode.INTERNAL, f"prefill worker {choice.address} sent a bad response: {exc}"
+                ) from None
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _RETRYABLE:
                     raise RouteError(exc.code(), f"prefill worker {choice.address}: {exc.details()}") from None
@@ -223,12 +210,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                     "request %s: prefill on %s failed (%s), retrying", request_id, choice.address, exc.code()
                 )
                 continue
-            try:
-                return convert.prefill_result_from_proto(response), choice.address
-            except ValueError as exc:
-                raise RouteError(
-                    grpc.StatusCode.INTERNAL, f"prefill worker {choice.address} sent a bad response: {exc}"
-                ) from None
+            return result, choice.address
         raise self._no_pick_error(self._prefill, reason, last_error, tried)
 
     # ---- decode -------------------------------------------------------------------------------
@@ -238,7 +220,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         tried: list[str] = []
         last_error = None
         reason = None
-        for _ in range(1 + self._settings.max_decode_retries):
+        for _ in range(1 + self._config.max_decode_retries):
             if len(generated) >= sampling.max_tokens:
                 # A pod died right after the last token but before saying so: the request is complete.
                 yield [], FinishReason.LENGTH
@@ -297,7 +279,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         except ValueError as exc:
             raise RouteError(grpc.StatusCode.INTERNAL, f"decode worker {address} sent a bad message: {exc}") from None
 
-    def _record_pull(self, request_id: str, stats: convert.KvPullStats | None) -> None:
+    def _record_pull(self, request_id: str, stats: KvPullStats | None) -> None:
         if stats is None:
             return
         logger.debug("request %s: kv pull %s, %d blocks, %d bytes in %.4fs", request_id,
@@ -329,11 +311,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     async def _release(self, hold: "_Hold") -> None:
         try:
-            with self._prefill.use(hold.prefill_address) as stub:
-                await stub.ReleaseKv(
-                    prefill_pb2.ReleaseKvRequest(request_id=hold.request_id, engine_id=hold.handle.engine_id),
-                    timeout=RELEASE_TIMEOUT_S,
-                )
+            with self._prefill.use(hold.prefill_address) as client:
+                await client.release_kv(hold.request_id, hold.handle.engine_id)
         except (grpc.aio.AioRpcError, LookupError) as exc:
             # The lease expiry frees the blocks anyway; this only makes it sooner.
             logger.info(

@@ -6,14 +6,14 @@ import asyncio
 import contextlib
 import logging
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.pdserve.v1 import common_pb2
-from router.flags import WorkerSpec, format_address
+from router.flags import PoolConfig, WorkerSpec, format_address
 from router.policy import WorkerView
 from shared.serving import convert, wire
 
@@ -32,7 +32,7 @@ async def resolve_dns(host: str, port: int) -> list[str]:
 class _Worker:
     address: str
     channel: grpc.aio.Channel  # request calls (carries the client interceptors)
-    stub: Any
+    client: Any  # what the request calls go through
     probe_channel: grpc.aio.Channel  # health and load probes (untraced: they would bury the request traces)
     probe_stub: Any
     health_stub: health_pb2_grpc.HealthStub
@@ -42,17 +42,9 @@ class _Worker:
     is_retired: bool = False
 
 
-@dataclass
-class PoolSettings:
-    health_interval_s: float = 1.0
-    resolve_interval_s: float = 10.0
-    probe_timeout_s: float = 1.0
-    channel_options: Sequence[tuple[str, Any]] = field(default_factory=list)
-    interceptors: Sequence[Any] = field(default_factory=list)  # client interceptors (e.g. tracing)
-
-
 class WorkerPool:
-    """Tracks the workers of one tier. `stub_class` is the tier's generated stub (it must have GetLoad);
+    """Tracks the workers of one tier. `stub_class` is the tier's generated stub (the load probe calls
+    its GetLoad); `client_class` wraps a worker's channel for the request calls (default: the stub);
     `service_name` is the name the workers report health under."""
 
     def __init__(
@@ -61,15 +53,22 @@ class WorkerPool:
         specs: Sequence[WorkerSpec],
         stub_class: Callable[[grpc.aio.Channel], Any],
         service_name: str,
-        settings: PoolSettings,
+        config: PoolConfig,
+        *,
+        client_class: Callable[[grpc.aio.Channel], Any] | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
+        interceptors: Sequence[Any] = (),  # client interceptors of the request calls (e.g. tracing)
         resolver: Resolver = resolve_dns,
         on_poll: Callable[[], Awaitable[None]] | None = None,
     ):
         self.tier = tier
         self.specs = tuple(specs)
         self.service_name = service_name
-        self.settings = settings
+        self.config = config
         self._stub_class = stub_class
+        self._client_class = client_class or stub_class
+        self._channel_options = list(channel_options)
+        self._interceptors = list(interceptors)
         self._resolver = resolver
         self._on_poll = on_poll
         self._workers: dict[str, _Worker] = {}
@@ -81,9 +80,9 @@ class WorkerPool:
         """Resolves and probes once (so the first request finds healthy workers), then keeps doing so."""
         await self.resolve()
         await self.poll()
-        self._tasks.append(asyncio.create_task(self._every(self.settings.health_interval_s, self.poll)))
+        self._tasks.append(asyncio.create_task(self._every(self.config.health_interval_s, self.poll)))
         if any(spec.is_dns for spec in self.specs):
-            self._tasks.append(asyncio.create_task(self._every(self.settings.resolve_interval_s, self.resolve)))
+            self._tasks.append(asyncio.create_task(self._every(self.config.resolve_interval_s, self.resolve)))
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -121,15 +120,13 @@ class WorkerPool:
     def _apply(self, addresses: list[str]) -> None:
         for address in addresses:
             if address not in self._workers:
-                options = list(self.settings.channel_options)
-                channel = grpc.aio.insecure_channel(
-                    address, options=options, interceptors=list(self.settings.interceptors) or None
-                )
+                options = self._channel_options
+                channel = grpc.aio.insecure_channel(address, options=options, interceptors=self._interceptors or None)
                 probe_channel = channel
-                if self.settings.interceptors:
+                if self._interceptors:
                     probe_channel = grpc.aio.insecure_channel(address, options=options)
                 self._workers[address] = _Worker(
-                    address, channel, self._stub_class(channel), probe_channel, self._stub_class(probe_channel),
+                    address, channel, self._client_class(channel), probe_channel, self._stub_class(probe_channel),
                     health_pb2_grpc.HealthStub(probe_channel),
                 )
                 logger.info("%s pool: added %s", self.tier, address)
@@ -156,7 +153,7 @@ class WorkerPool:
             await self._on_poll()
 
     async def _probe(self, worker: _Worker) -> None:
-        timeout = self.settings.probe_timeout_s
+        timeout = self.config.probe_timeout_s
         try:
             health = await worker.health_stub.Check(
                 health_pb2.HealthCheckRequest(service=self.service_name), timeout=timeout
@@ -193,13 +190,13 @@ class WorkerPool:
 
     @contextlib.contextmanager
     def use(self, address: str) -> Iterator[Any]:
-        """The worker's stub, counted as in flight for the duration."""
+        """The worker's client, counted as in flight for the duration."""
         worker = self._workers.get(address)
         if worker is None:
             raise LookupError(f"{self.tier} worker {address} is no longer known")
         worker.num_inflight += 1
         try:
-            yield worker.stub
+            yield worker.client
         finally:
             worker.num_inflight -= 1
             if worker.is_retired and worker.num_inflight == 0:

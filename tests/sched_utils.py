@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.kv_transfer.connector import KVRole
-from shared.engine.kv_transfer.loopback import LoopbackConnector, LoopbackKVStore
+from loopback_connector import LoopbackConnector, LoopbackKVStore
 from shared.engine.request import PlaceholderRange, Request, SamplingParams
 from shared.engine.sched.async_scheduler import AsyncScheduler
 from shared.engine.sched.scheduler import Scheduler

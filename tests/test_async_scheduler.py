@@ -251,7 +251,6 @@ def test_abort_request_when_structured_output_fsm_cannot_advance():
         scheduled_spec_decode_tokens={},
         num_common_prefix_blocks=[],
         finished_req_ids=set(),
-        free_encoder_mm_hashes=[],
     )
     model_runner_output = ModelRunnerOutput(
         req_ids=[request.request_id],

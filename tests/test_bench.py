@@ -164,6 +164,7 @@ def colocated_server(tmp_path_factory):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.e2e
 def test_bench_against_a_colocated_server(colocated_server, tmp_path, capsys):
     argv = ["--target", colocated_server.address, "--num-requests", "6", "--rate", "inf", "--input-len", "16",
             "--output-len", "6", "--range-ratio", "0.5", "--seed", "7", "--ttft-slo-ms", "60000",
@@ -183,6 +184,7 @@ def test_bench_against_a_colocated_server(colocated_server, tmp_path, capsys):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.e2e
 def test_bench_counts_failures(colocated_server, tmp_path):
     # vocab 8192 > the tiny model's 4096: out-of-vocabulary prompts are refused with INVALID_ARGUMENT.
     argv = ["--target", colocated_server.address, "--num-requests", "3", "--input-len", "64", "--output-len", "2",

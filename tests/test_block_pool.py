@@ -106,6 +106,7 @@ def test_hash_chaining():
     assert len(h1) == 32
 
 
+@pytest.mark.e2e
 def test_hashes_are_identical_across_processes():
     # Prefill and decode pods must agree: no per-process salt (Python's hash() would differ).
     code = (

@@ -2,6 +2,7 @@
 gets INVALID_ARGUMENT with a precise message, and a cancelled call frees its KV blocks."""
 import asyncio
 import contextlib
+import dataclasses
 import time
 
 import grpc
@@ -14,8 +15,10 @@ from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.serving.grpc_server import GrpcServer, ServerOptions
 from shared.serving.metrics import ServiceMetrics
-from shared.serving.pod_runtime import Pod, PodConfig
+from shared.serving.pod_runtime import Pod, PodConfig, serving_cache_config, serving_scheduler_config
 from shared.engine.request import FinishReason, SamplingParams
+
+pytestmark = pytest.mark.e2e
 
 SERVICE = "pdserve.v1.GenerateService"
 NUM_BLOCKS = 128
@@ -33,7 +36,11 @@ def word_tokenizer() -> Tokenizer:
 
 @contextlib.asynccontextmanager
 async def serving(tokenizer=None):
-    pod = Pod(None, PodConfig(model="tiny", num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN))
+    pod = Pod(None, PodConfig(
+        model="tiny",
+        scheduler=dataclasses.replace(serving_scheduler_config(), max_model_len=MAX_MODEL_LEN),
+        cache=dataclasses.replace(serving_cache_config(), num_blocks=NUM_BLOCKS),
+    ))
     pod.start()
     servicer = ColocatedServicer(ServiceMetrics(), tokenizer=tokenizer)
     servicer.attach(pod)

@@ -11,8 +11,9 @@ import torch
 
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.llm_engine import LLMEngine
+from shared.engine.kv_transfer.handoff import HoldForPeer
 from shared.engine.kv_transfer.connector import KVRole
-from shared.engine.kv_transfer.loopback import LoopbackConnector, LoopbackKVStore
+from loopback_connector import LoopbackConnector, LoopbackKVStore
 from shared.engine.model.model_config import ModelArchConfig, preset
 from shared.engine.model.loader import load_model, random_model, save_pretrained
 from shared.engine.request import FinishReason, Request, SamplingParams
@@ -126,14 +127,15 @@ def test_text_prompts_use_the_tokenizer(tmp_path):
 
 
 def test_kv_pool_layout_is_contiguous_per_layer_and_block():
-    # Default scheduler settings: max_model_len (8192) is capped at the model's 2048 positions.
-    engine = LLMEngine("tiny", SchedulerConfig(), CacheConfig(block_size=16, num_blocks=128))
+    # Default scheduler settings: max_model_len (8192) is capped at the model's 2048 positions, which
+    # 128 blocks of 16 (block 0 reserved) plus one hold.
+    engine = LLMEngine("tiny", SchedulerConfig(), CacheConfig(block_size=16, num_blocks=129))
     config = preset("tiny")
     assert engine.scheduler.max_model_len == config.max_position_embeddings
     runner = engine.runner
     assert list(runner.kv_caches) == [f"layers.{i}.{kind}" for i in range(config.num_layers)
                                       for kind in ("key", "value")]
-    shape = (128, 16, config.num_kv_heads, config.head_dim)
+    shape = (129, 16, config.num_kv_heads, config.head_dim)
     block_elems = 16 * config.num_kv_heads * config.head_dim
     for tensor in runner.kv_caches.values():
         assert tensor.shape == shape and tensor.is_contiguous()
@@ -178,12 +180,12 @@ def test_prefill_decode_handoff_reproduces_colocated_tokens(model_dir):
                                                                    ignore_eos=True))
     for i, prompt in enumerate(prompts):
         params = SamplingParams(max_tokens=1, temperature=0.7, seed=5, ignore_eos=True)
-        producer.add_request(Request(f"p{i}", prompt, params, None, kv_transfer_params={"do_remote_decode": True}))
+        producer.add_request(Request(f"p{i}", prompt, params, None, kv_transfer_params=HoldForPeer()))
     handles = {}
     while producer.has_unfinished_requests():
         for out in producer.step():
             if out.finished:
-                handles[out.request_id] = (out.new_token_ids[0], out.kv_transfer_params)
+                handles[out.request_id] = (out.new_token_ids[0], out.kv_handle)
     assert producer.kv_usage().num_held_blocks > 0
     for i, prompt in enumerate(prompts):
         first, handle = handles[f"p{i}"]

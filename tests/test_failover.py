@@ -13,6 +13,8 @@ from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import SamplingParams
 
+pytestmark = pytest.mark.e2e
+
 MODEL_ARGS = ["--model", "tiny", "--seed", "0", "--num-blocks", "512"]
 MAX_TOKENS = 400
 

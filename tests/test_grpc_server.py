@@ -10,6 +10,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
 from shared.serving.grpc_server import GrpcServer, ServerOptions
 
+pytestmark = pytest.mark.e2e
+
 SERVICE = "pdserve.v1.GenerateService"
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -19,7 +19,7 @@ from proto.pdserve.v1 import decode_pb2, decode_pb2_grpc
 from shared.serving import convert
 from shared.engine.request import FinishReason, SamplingParams
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 MODEL_ARGS = ["--model", "tiny", "--seed", "0", "--block-size", "16", "--num-blocks", "256"]
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import shared.engine
+
+pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 REPO = Path(__file__).resolve().parents[1]
 OVERLAYS = ("dev", "gpu", "jaeger")

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
+from shared.engine.kv_transfer.handoff import HoldForPeer
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
-from shared.engine.kv_transfer.loopback import LoopbackConnector, LoopbackKVStore
+from loopback_connector import LoopbackConnector, LoopbackHandle, LoopbackKVStore
 from shared.engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from shared.engine.sched.async_scheduler import AsyncScheduler
 from shared.engine.sched.output import KVConnectorOutput, ModelRunnerOutput
@@ -85,23 +86,23 @@ def _prompt(n: int, base: int = 0) -> list[int]:
     return [base + 3 + i for i in range(n)]
 
 
-def _prefill(producer: Engine, req_id: str, prompt: list[int], max_tokens: int = 6) -> tuple[int, dict | None]:
+def _prefill(producer: Engine, req_id: str, prompt: list[int], max_tokens: int = 6) -> tuple[int, LoopbackHandle | None]:
     producer.scheduler.add_request(
         Request(req_id, prompt, SamplingParams(max_tokens=1), EOS,
-                kv_transfer_params={"do_remote_decode": max_tokens > 1})
+                kv_transfer_params=HoldForPeer() if max_tokens > 1 else None)
     )
     for _ in range(10):
         _, result = producer.step()
         for o in result.outputs:
             if o.request_id == req_id and o.finished:
-                return o.new_token_ids[0], o.kv_transfer_params
+                return o.new_token_ids[0], o.kv_handle
     raise AssertionError("prefill did not finish")
 
 
-def _decode(consumer: Engine, req_id: str, prompt: list[int], token1: int, handle: dict | None, max_tokens: int = 6):
+def _decode(consumer: Engine, req_id: str, prompt: list[int], token1: int, handle: LoopbackHandle | None, max_tokens: int = 6):
     consumer.scheduler.add_request(
         Request(req_id, prompt + [token1], SamplingParams(max_tokens=max_tokens - 1), EOS,
-                kv_transfer_params=dict(handle) if handle else None)
+                kv_transfer_params=handle)
     )
 
 
@@ -130,8 +131,8 @@ def test_handoff_pulls_blocks_and_matches_colocated_run():
 
     token1, handle = _prefill(producer, "r", prompt)
     assert token1 == 100 + 40
-    assert handle["remote_engine_id"] == "P" and handle["remote_num_tokens"] == 40
-    assert len(handle["remote_block_ids"]) == 3
+    assert handle.engine_id == "P" and handle.num_tokens == 40
+    assert len(list(handle.block_ids)) == 3
     # Blocks stay held for the peer.
     assert producer.used_blocks() == 3 and producer.scheduler.num_held_requests == 1
     assert producer.scheduler.get_kv_usage().num_held_blocks == 3
@@ -143,7 +144,7 @@ def test_handoff_pulls_blocks_and_matches_colocated_run():
     assert out.num_scheduled_tokens == {}  # waiting for the pull
     assert len(out.kv_connector_metadata.requests) == 1
     load = out.kv_connector_metadata.requests[0]
-    assert load.remote_block_ids == handle["remote_block_ids"] and len(load.local_block_ids) == 3
+    assert load.remote_block_ids == list(handle.block_ids) and len(load.local_block_ids) == 3
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS or request.status == RequestStatus.WAITING
     # The pulled slots hold the producer's KV.
     for remote, local in zip(load.remote_block_ids, load.local_block_ids):
@@ -176,7 +177,7 @@ def test_consumer_prefix_hit_pulls_only_missing_blocks():
     _decode(consumer, "r", prompt, token1, handle)
     out, _ = consumer.step()
     (load,) = out.kv_connector_metadata.requests
-    assert load.remote_block_ids == handle["remote_block_ids"][2:]
+    assert load.remote_block_ids == list(handle.block_ids)[2:]
     _run_until_idle(producer, consumer)
     assert _tokens(consumer, "r") == [100 + p for p in range(41, 46)]
     assert producer.used_blocks() == 0 and consumer.used_blocks() == 0
@@ -289,12 +290,12 @@ def test_random_handoffs_under_pressure_leak_nothing(seed):
             req_id = pending.pop(0)
             producer.scheduler.add_request(
                 Request(req_id, prompts[req_id], SamplingParams(max_tokens=1), EOS,
-                        kv_transfer_params={"do_remote_decode": max_tokens[req_id] > 1})
+                        kv_transfer_params=HoldForPeer() if max_tokens[req_id] > 1 else None)
             )
         for o in [o for outs in producer.outputs.values() for o in outs if o.finished]:
-            if o.request_id not in submitted and o.kv_transfer_params:
+            if o.request_id not in submitted and o.kv_handle:
                 submitted.add(o.request_id)
-                _decode(consumer, o.request_id, prompts[o.request_id], o.new_token_ids[0], o.kv_transfer_params,
+                _decode(consumer, o.request_id, prompts[o.request_id], o.new_token_ids[0], o.kv_handle,
                         max_tokens=max_tokens[o.request_id])
         if consumer.scheduler.requests and rng.random() < 0.03:
             victim = rng.choice(sorted(consumer.scheduler.requests))

@@ -16,26 +16,14 @@ from pdserve.launcher import LocalCluster
 from proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2_grpc
 from shared.serving import convert
 from shared.engine.request import SamplingParams
+from split_cluster import BLOCK_SIZE, BYTES_PER_BLOCK, LEASE_S, VOCAB_SIZE
 
-pytestmark = pytest.mark.timeout(120)
-
-BLOCK_SIZE = 16
-LEASE_S = 2.0
-MODEL_ARGS = ["--model", "tiny", "--seed", "0", "--block-size", str(BLOCK_SIZE), "--num-blocks", "256"]
-# tiny: 4 layers, 4 KV heads of 32 dims, float32 -> K and V of one block, all layers.
-BYTES_PER_BLOCK = 4 * 2 * BLOCK_SIZE * 4 * 32 * 4
-VOCAB_SIZE = 4096  # of the tiny preset
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with LocalCluster.start(
-        pod_args=MODEL_ARGS,
-        prefill_args=["--lease-s", str(LEASE_S)],
-        with_metrics=True,
-        log_dir=tmp_path_factory.mktemp("logs"),
-    ) as running:
-        yield running
+@pytest.fixture
+def cluster(split_cluster):
+    return split_cluster
 
 
 class Scrape:
@@ -156,7 +144,7 @@ def test_invalid_requests_are_counted_as_invalid(cluster):
         _decode(cluster, "bad-decode", [1, 2, 3], VOCAB_SIZE + 5, None, max_tokens=4)
     assert bad_decode.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     after = _scrape_all(cluster)
-    assert _moved(before, after, "router", "pdserve_router_requests_total", outcome="invalid_argument") == 1
+    assert _moved(before, after, "router", "pdserve_router_requests_total", outcome="invalid") == 1
     for pod in ("prefill-0", "decode-0"):
         assert _moved(before, after, pod, "pdserve_requests_total", outcome="invalid") == 1
         assert _moved(before, after, pod, "pdserve_requests_total", outcome="ok") == 0

@@ -8,11 +8,15 @@ import dataclasses
 
 import pytest
 
-from shared.engine.kv_transfer.connector import KVRole
-from shared.engine.kv_transfer.handle import KvLayout, KvPullOutcome
-from shared.engine.kv_transfer.nixl_connector import DO_REMOTE_DECODE, REMOTE_HANDLE, NixlConnector
+from shared.engine.kv_transfer.connector import KVConnectorBase, KVLoadFailurePolicy, KVRole
+from shared.engine.kv_transfer.handle import KvLayout, KvPullOutcome, KvSource
+from shared.engine.kv_transfer.handoff import HoldForPeer, PullFromPeer
+from shared.engine.kv_transfer.nixl_consumer import NixlConsumer
+from shared.engine.kv_transfer.nixl_producer import NixlProducer
 from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
 from shared.engine.request import Request, RequestStatus, SamplingParams
+
+pytestmark = pytest.mark.e2e
 
 LAYOUT = KvLayout("tiny@0", "float32", num_layers=4, num_kv_heads=4, head_dim=32, block_size=16)
 
@@ -30,23 +34,32 @@ def clock():
     return Clock()
 
 
-def _connector(role: KVRole, clock: Clock, **kwargs) -> NixlConnector:
-    agent = KvTransferAgent(KvTransferAgent.unique_name("test"))
-    return NixlConnector(role, engine_id=f"{role.value}-1", layout=LAYOUT, agent=agent, clock=clock,
-                         source_address="127.0.0.1:1", **kwargs)
+SOURCE = KvSource("prefill-agent", b"", "DRAM", regions=(), block_bytes=1024, num_blocks=64)
+
+
+def _agent() -> KvTransferAgent:
+    return KvTransferAgent(KvTransferAgent.unique_name("test"))
+
+
+def _producer(clock: Clock, **kwargs) -> NixlProducer:
+    return NixlProducer(engine_id="kv_producer-1", layout=LAYOUT, agent=_agent(), clock=clock,
+                        source_address="127.0.0.1:1", **kwargs)
+
+
+def _consumer(clock: Clock) -> NixlConsumer:
+    return NixlConsumer(engine_id="kv_consumer-1", layout=LAYOUT, agent=_agent(), clock=clock)
 
 
 def _finished_prefill(status: RequestStatus, num_prompt_tokens: int = 40, do_remote_decode: bool = True) -> Request:
     request = Request("r1", list(range(3, 3 + num_prompt_tokens)), SamplingParams(max_tokens=1), eos_token_id=2,
-                      kv_transfer_params={DO_REMOTE_DECODE: do_remote_decode})
+                      kv_transfer_params=HoldForPeer() if do_remote_decode else None)
     request.status = status
     return request
 
 
 def test_producer_holds_only_the_prompt_blocks_of_a_handoff(clock):
-    connector = _connector(KVRole.PRODUCER, clock, lease_s=5.0)
-    delay, params = connector.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [7, 8, 9, 10])
-    handle = params[REMOTE_HANDLE]
+    connector = _producer(clock, lease_s=5.0)
+    delay, handle = connector.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [7, 8, 9, 10])
     assert delay is True
     assert handle.block_ids == (7, 8, 9)  # 40 tokens: 3 blocks; the 4th held token 1's slot only
     assert handle.num_tokens == 40
@@ -60,13 +73,13 @@ def test_producer_holds_only_the_prompt_blocks_of_a_handoff(clock):
      (RequestStatus.FINISHED_LENGTH_CAPPED, False)],
 )
 def test_producer_frees_at_once_when_no_decode_follows(clock, status, do_remote_decode):
-    connector = _connector(KVRole.PRODUCER, clock)
+    connector = _producer(clock)
     assert connector.request_finished(_finished_prefill(status, do_remote_decode=do_remote_decode), [1, 2, 3]) == (False, None)
     assert connector.num_held_blocks == 0
 
 
 def test_release_is_intact_only_within_the_lease_and_for_the_same_engine(clock):
-    connector = _connector(KVRole.PRODUCER, clock, lease_s=5.0)
+    connector = _producer(clock, lease_s=5.0)
     connector.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [1, 2, 3])
     assert connector.release("r1", "kv_producer-other") is False  # a restarted engine's id
     assert connector.num_held_blocks == 3
@@ -77,7 +90,7 @@ def test_release_is_intact_only_within_the_lease_and_for_the_same_engine(clock):
 
 
 def test_expired_lease_frees_the_hold_and_a_late_release_is_not_intact(clock):
-    connector = _connector(KVRole.PRODUCER, clock, lease_s=5.0)
+    connector = _producer(clock, lease_s=5.0)
     connector.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [1, 2, 3])
     assert connector.get_finished(set()) == (None, None)
     clock.now += 5.0
@@ -89,17 +102,17 @@ def test_expired_lease_frees_the_hold_and_a_late_release_is_not_intact(clock):
 def _decode_request(handle) -> Request:
     prompt = list(range(3, 3 + handle.num_tokens))
     return Request("r1", prompt + [99], SamplingParams(max_tokens=4), eos_token_id=2,
-                   kv_transfer_params={REMOTE_HANDLE: handle})
+                   kv_transfer_params=PullFromPeer(handle, SOURCE))
 
 
 def _handle(clock: Clock):
-    producer = _connector(KVRole.PRODUCER, clock, lease_s=5.0)
-    _, params = producer.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [1, 2, 3])
-    return params[REMOTE_HANDLE]
+    producer = _producer(clock, lease_s=5.0)
+    _, handle = producer.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [1, 2, 3])
+    return handle
 
 
 def test_consumer_pulls_the_tokens_beyond_its_prefix_cache(clock):
-    consumer = _connector(KVRole.CONSUMER, clock)
+    consumer = _consumer(clock)
     handle = _handle(clock)
     assert consumer.get_num_new_matched_tokens(_decode_request(handle), 16) == (24, True)
 
@@ -112,20 +125,94 @@ def test_consumer_pulls_the_tokens_beyond_its_prefix_cache(clock):
         (lambda clock, handle: setattr(clock, "now", clock.now + 6) or handle, KvPullOutcome.RECOMPUTED_LEASE_EXPIRED),
     ],
 )
-def test_consumer_recomputes_without_pulling_when_the_kv_cannot_be_used(clock, change, outcome):
-    consumer = _connector(KVRole.CONSUMER, clock)
-    released = []
-    consumer.release_remote = lambda handle, request_id: released.append(request_id)
-    handle = change(clock, _handle(clock))
-    assert consumer.get_num_new_matched_tokens(_decode_request(handle), 0) == (0, False)
-    assert consumer.pop_pull_stats("r1").outcome is outcome
-    assert released == ["r1"]  # the prefill pod's hold is ended at once
+def test_precheck_says_why_a_handle_cannot_be_pulled(clock, change, outcome):
+    consumer = _consumer(clock)
+    handle = _handle(clock)
+    assert consumer.pull_precheck(handle) is None
+    assert consumer.pull_precheck(change(clock, handle)) is outcome
 
 
 def test_consumer_with_the_whole_prompt_cached_reads_nothing(clock):
-    consumer = _connector(KVRole.CONSUMER, clock)
+    consumer = _consumer(clock)
     consumer.release_remote = lambda handle, request_id: None
     handle = _handle(clock)
     assert consumer.get_num_new_matched_tokens(_decode_request(handle), 48) == (0, False)
     stats = consumer.pop_pull_stats("r1")
     assert stats.outcome is KvPullOutcome.PREFIX_CACHE_HIT and stats.num_cached_blocks == 3
+
+
+def test_the_base_contract_means_nothing_to_transfer():
+    connector = KVConnectorBase(KVRole.BOTH)
+    request = _finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED)
+    assert connector.load_failure_policy is KVLoadFailurePolicy.RECOMPUTE
+    assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert connector.request_finished(request, [1, 2, 3]) == (False, None)
+    assert connector.build_connector_meta(None).requests == []
+    assert connector.has_pending_work() is False
+    assert connector.get_finished(set()) == (None, None)
+    assert connector.get_block_ids_with_load_errors() == set()
+
+
+def test_handoff_params_are_immutable(clock):
+    params = PullFromPeer(_handle(clock), SOURCE)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.handle = None
+    assert HoldForPeer() == HoldForPeer()
+
+
+def test_each_side_acts_only_on_its_own_kind_of_params(clock):
+    producer, consumer = _producer(clock), _consumer(clock)
+    assert producer.role is KVRole.PRODUCER and consumer.role is KVRole.CONSUMER
+    pulling = _decode_request(_handle(clock))
+    pulling.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert producer.request_finished(pulling, [1, 2, 3]) == (False, None)  # a pull is not a hold
+    holding = _finished_prefill(RequestStatus.WAITING)
+    assert consumer.get_num_new_matched_tokens(holding, 0) == (0, False)  # a hold is not a pull
+    assert consumer.request_finished(holding, [1, 2, 3]) == (False, None)
+
+
+def test_producer_has_pending_work_while_a_hold_is_open_or_unreported(clock):
+    producer = _producer(clock, lease_s=5.0)
+    assert producer.has_pending_work() is False
+    producer.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [1, 2, 3])
+    assert producer.has_pending_work() is True
+    assert producer.release("r1", "kv_producer-1") is True
+    assert producer.has_pending_work() is True  # released, but the scheduler has not freed the blocks yet
+    assert producer.get_finished(set()) == ({"r1"}, None)
+    assert producer.has_pending_work() is False
+
+
+def test_consumer_pull_is_planned_for_the_missing_blocks_only(clock):
+    consumer = _consumer(clock)
+    handle = _handle(clock)
+    request = _decode_request(handle)
+    assert consumer.get_num_new_matched_tokens(request, 16) == (24, True)
+    consumer.update_state_after_alloc(request, [10, 11, 12, 13], 24)
+    [pull] = consumer.build_connector_meta(None).requests
+    assert (pull.local_block_ids, pull.remote_block_ids, pull.num_cached_blocks) == ([11, 12], [2, 3], 1)
+    assert consumer.build_connector_meta(None).requests == []  # handed over once
+    # One attempt per request: asked again (a resumed request), it recomputes.
+    assert consumer.get_num_new_matched_tokens(request, 0) == (0, False)
+
+
+def test_consumer_has_pending_work_until_a_confirmation_is_applied(clock):
+    consumer = _consumer(clock)
+    assert consumer.has_pending_work() is False
+    consumer.on_release_result("r1", True)  # from the gRPC side
+    assert consumer.has_pending_work() is True
+    assert consumer.get_finished(set()) == (None, None)  # no pull of that id: nothing lands
+    assert consumer.has_pending_work() is False
+
+
+@pytest.mark.parametrize(
+    "fields,needle",
+    [
+        (dict(block_size=0), "block_size must be > 0"),
+        (dict(block_size=8), "differs from handle.layout.block_size"),
+        (dict(num_tokens=0, block_ids=()), "num_tokens must be > 0"),
+        (dict(block_ids=(1, 2)), "need 3"),
+    ],
+)
+def test_a_handle_of_the_wrong_shape_cannot_be_built(clock, fields, needle):
+    with pytest.raises(ValueError, match=needle):
+        dataclasses.replace(_handle(clock), **fields)

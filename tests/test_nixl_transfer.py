@@ -21,6 +21,8 @@ from shared.engine.kv_transfer.transfer_agent import (
     recommended_environment,
 )
 
+pytestmark = pytest.mark.e2e
+
 NUM_TENSORS = 4  # two layers, K and V each
 BLOCK_SHAPE = (4, 2, 8)  # block_size, kv_heads, head_dim
 DTYPE = torch.bfloat16

@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[1]
 PROTO_DIR = Path("proto/pdserve/v1")
 SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")

@@ -14,19 +14,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.client import AsyncPdserveClient, PdserveClient
 from proto.pdserve.v1 import common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc
 from proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
-from router.flags import WorkerSpec, parse_worker_spec
-from router.servicer import RouterServicer, RouterSettings
+from router.flags import PoolConfig, RouterConfig, WorkerSpec, parse_worker_spec
+from router.servicer import RouterServicer
 from shared.serving.text import TextCodec
-from router.workers import PoolSettings, WorkerPool, resolve_dns
+from router.workers import WorkerPool, resolve_dns
 from shared.serving import convert, wire
 from shared.serving.grpc_server import GrpcServer, ServerOptions
+from shared.serving.prefill_client import PrefillClient
 from shared.engine.request import FinishReason
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUT = convert.KvLayout("fake", "float32", 1, 1, 4, 4)
 EOS = 999
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 
 
 def next_token(token_id: int) -> int:
@@ -140,15 +141,18 @@ class Cluster:
                                          "pdserve.v1.PrefillService") for p in self.prefills]
         self.decode_servers = [await start_fake(d, decode_pb2_grpc.add_DecodeServiceServicer_to_server,
                                                 "pdserve.v1.DecodeService", self.decode_serving) for d in self.decodes]
-        settings = PoolSettings(health_interval_s=30, resolve_interval_s=30, probe_timeout_s=2)
-        self.prefill_pool = WorkerPool("prefill", [parse_worker_spec(s.address) for s in self.servers],
-                                       prefill_pb2_grpc.PrefillServiceStub, "pdserve.v1.PrefillService", settings)
-        self.decode_pool = WorkerPool("decode", [parse_worker_spec(s.address) for s in self.decode_servers],
-                                      decode_pb2_grpc.DecodeServiceStub, "pdserve.v1.DecodeService", settings)
+        pool_config = PoolConfig(health_interval_s=30, resolve_interval_s=30, probe_timeout_s=2)
+        prefill_specs = [parse_worker_spec(s.address) for s in self.servers]
+        decode_specs = [parse_worker_spec(s.address) for s in self.decode_servers]
+        self.prefill_pool = WorkerPool("prefill", prefill_specs, prefill_pb2_grpc.PrefillServiceStub,
+                                       "pdserve.v1.PrefillService", pool_config, client_class=PrefillClient)
+        self.decode_pool = WorkerPool("decode", decode_specs, decode_pb2_grpc.DecodeServiceStub,
+                                      "pdserve.v1.DecodeService", pool_config)
         await self.prefill_pool.start()
         await self.decode_pool.start()
-        router_settings = RouterSettings(self.policy, 2, 2, self.request_timeout_s)
-        self.servicer = RouterServicer(self.prefill_pool, self.decode_pool, router_settings,
+        router_config = RouterConfig(tuple(prefill_specs), tuple(decode_specs), policy=self.policy,
+                                     request_timeout_s=self.request_timeout_s, pool=pool_config)
+        self.servicer = RouterServicer(self.prefill_pool, self.decode_pool, router_config,
                                        codec=self.codec, tracer=self.tracer)
         self.router = GrpcServer(ServerOptions(port=0, grace_seconds=0))
         self.router.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, self.servicer,
@@ -464,7 +468,7 @@ def test_dns_names_resolve_to_every_address_and_refresh():
             return answers["now"]
 
         pool = WorkerPool("decode", [WorkerSpec("decode.test", 7000, True)], decode_pb2_grpc.DecodeServiceStub,
-                          "pdserve.v1.DecodeService", PoolSettings(health_interval_s=30, resolve_interval_s=30),
+                          "pdserve.v1.DecodeService", PoolConfig(health_interval_s=30, resolve_interval_s=30),
                           resolver=resolver)
         try:
             await pool.start()

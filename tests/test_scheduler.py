@@ -38,9 +38,6 @@ def _scheduler_output(num_scheduled_tokens: dict[str, int], spec_tokens: dict[st
         scheduled_spec_decode_tokens=spec_tokens,
         num_common_prefix_blocks=[0],
         finished_req_ids=set(),
-        free_encoder_mm_hashes=[],
-        structured_output_request_ids={},
-        grammar_bitmask=None,
     )
 
 

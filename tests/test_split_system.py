@@ -30,29 +30,21 @@ from shared.serving import convert
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import FinishReason, SamplingParams
+from split_cluster import BLOCK_SIZE, BYTES_PER_BLOCK, LEASE_S, MODEL_ARGS, NUM_BLOCKS
 
-BLOCK_SIZE = 16
-LEASE_S = 3.0
-MODEL_ARGS = ["--model", "tiny", "--seed", "0", "--block-size", str(BLOCK_SIZE), "--num-blocks", "512"]
-# tiny: hidden 256, 4 layers, 4 KV heads of 32 dims, float32 -> K and V of one block, all layers.
-BYTES_PER_BLOCK = 4 * 2 * BLOCK_SIZE * 4 * 32 * 4
+pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with LocalCluster.start(
-        pod_args=MODEL_ARGS,
-        prefill_args=["--lease-s", str(LEASE_S)],
-        with_metrics=True,
-        log_dir=tmp_path_factory.mktemp("logs"),
-    ) as running:
-        yield running
+@pytest.fixture
+def cluster(split_cluster):
+    return split_cluster
 
 
 @pytest.fixture(scope="module")
 def reference():
     """The single-process engine on the same weights."""
-    return LLMEngine("tiny", SchedulerConfig(max_model_len=2048), CacheConfig(block_size=BLOCK_SIZE, num_blocks=512))
+    cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    return LLMEngine("tiny", SchedulerConfig(max_model_len=2048), cache)
 
 
 def _prompts(num: int, seed: int) -> list[list[int]]:
@@ -225,6 +217,25 @@ def test_cancelled_stream_frees_blocks_on_both_pods(cluster):
     _assert_all_blocks_free(cluster)
 
 
+def test_a_request_id_already_in_flight_gets_already_exists(cluster):
+    # No handle: the decode pod computes the prompt itself and streams many tokens, so the first call
+    # is still in flight when the second, with the same id, arrives.
+    sampling = convert.sampling_params_to_proto(SamplingParams(max_tokens=1000, ignore_eos=True))
+    request = decode_pb2.DecodeRequest(
+        request_id="twice", prompt_token_ids=[5, 6, 7], generated_token_ids=[8], sampling=sampling
+    )
+    with grpc.insecure_channel(cluster.by_name("decode-0").address) as channel:
+        stub = decode_pb2_grpc.DecodeServiceStub(channel)
+        first = stub.Decode(request, timeout=60)
+        next(first)
+        with pytest.raises(grpc.RpcError) as second:
+            list(stub.Decode(request, timeout=30))
+        first.cancel()
+    assert second.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "already in flight" in second.value.details()
+    _assert_all_blocks_free(cluster)
+
+
 @pytest.mark.parametrize(
     "prompt,sampling,message",
     [
@@ -268,7 +279,7 @@ def test_policy_fail_ends_the_request_with_a_clear_status_instead_of_recomputing
         )
         with grpc.insecure_channel(strict.address) as channel, pytest.raises(grpc.RpcError) as error:
             list(decode_pb2_grpc.DecodeServiceStub(channel).Decode(request, timeout=30))
-        assert error.value.code() == grpc.StatusCode.ABORTED
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "recomputed_lease_expired" in error.value.details() and "'fail'" in error.value.details()
         with grpc.insecure_channel(strict.address) as channel:
             load = decode_pb2_grpc.DecodeServiceStub(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=5).load

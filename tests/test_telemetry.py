@@ -18,7 +18,7 @@ from shared.serving.metrics import OUTCOMES, ServiceMetrics, start_metrics_serve
 from shared.serving.telemetry import SpanAttr, Tracing, TracingConfig, record_span, setup_tracing
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, children_of
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"

@@ -17,7 +17,7 @@ from shared.engine.request import SamplingParams
 from shared.serving.telemetry import SpanAttr
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, children_of
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 BLOCK_SIZE = 16
 MODEL_ARGS = ["--model", "tiny", "--seed", "0", "--block-size", str(BLOCK_SIZE), "--num-blocks", "256"]

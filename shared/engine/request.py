@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.engine.kv_transfer.handoff import KvTransferParams
 
 # Upper bounds that keep one request from monopolising a pod; beyond them a value is a mistake.
 MAX_TOP_K = 1 << 20
@@ -95,8 +99,6 @@ _FINISHED_REASONS = {
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
-# The Request class (the scheduler's per-request state) lives below; see the engine-core issue.
-
 
 @dataclass(frozen=True)
 class PlaceholderRange:
@@ -125,7 +127,7 @@ class Request:
         arrival_time: float = 0.0,
         mm_positions: list[PlaceholderRange] | None = None,
         mm_hashes: list[str] | None = None,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: KvTransferParams | None = None,
         cache_salt: str | None = None,
         structured_output_request=None,
     ) -> None:
@@ -201,11 +203,51 @@ class Request:
         self._output_token_ids.extend(token_ids)
         self._all_token_ids.extend(token_ids)
 
+    def append_sampled_token_ids(self, sampled: list[int], max_model_len: int) -> list[int]:
+        """Append sampled tokens up to the first stop (a stop token, max_tokens or the model length),
+        set the finished status if one was reached, and return the tokens kept."""
+        output, all_ids, stop_ids = self._output_token_ids, self._all_token_ids, self._stop_ids
+        if len(sampled) == 1:  # the common decode step, kept cheap
+            token = sampled[0]
+            output.append(token)
+            all_ids.append(token)
+            if token in stop_ids:
+                self._set_stopped(token)
+            elif len(output) >= self.max_tokens or len(all_ids) >= max_model_len:
+                self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return sampled
+        kept = []
+        for token in sampled:
+            output.append(token)
+            all_ids.append(token)
+            kept.append(token)
+            if token in stop_ids:
+                self._set_stopped(token)
+                break
+            if len(output) >= self.max_tokens or len(all_ids) >= max_model_len:
+                self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                break
+        return kept
+
+    def _set_stopped(self, token: int) -> None:
+        self.status = RequestStatus.FINISHED_STOPPED
+        # EOS is the natural end: no stop reason. A stop token is reported as the reason.
+        if token == self.eos_token_id and not self.sampling_params.ignore_eos:
+            self.stop_reason = None
+        else:
+            self.stop_reason = token
+
     def set_eos_token_id(self, eos_token_id: int | None) -> None:
         """Adopt the engine's EOS when the request was built without one."""
         self.eos_token_id = eos_token_id
         if eos_token_id is not None and not self.sampling_params.ignore_eos:
             self._stop_ids = self._stop_ids | {eos_token_id}
+
+    def add_eos_token_ids(self, token_ids: tuple[int, ...]) -> None:
+        """A model's further EOS ids (a checkpoint may list several): each ends the request like a stop
+        token and is reported as the stop reason, as vLLM does; ignore_eos ignores them too."""
+        if not self.sampling_params.ignore_eos:
+            self._stop_ids = self._stop_ids | frozenset(token_ids)
 
     # ---- lifecycle ----------------------------------------------------------------------
     @property

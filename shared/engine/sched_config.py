@@ -92,7 +92,7 @@ class CacheConfig:
 class KVTransferConfig:
     """Which connector an engine uses and in which role."""
 
-    kv_connector: str = "loopback"
+    kv_connector: str = "nixl"
     kv_role: KVRole = KVRole.BOTH
     kv_load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.RECOMPUTE
     engine_id: str = "engine-0"

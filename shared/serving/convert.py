@@ -7,6 +7,7 @@ servicer can map it straight to INVALID_ARGUMENT.
 from __future__ import annotations
 
 import math
+from typing import Callable
 from proto.pdserve.v1 import common_pb2, decode_pb2, generate_pb2, prefill_pb2
 from shared.engine.kv_transfer.handle import KvHandle, KvLayout, KvPullOutcome, KvPullStats
 from shared.engine.kv_transfer.handle import KvRegion, KvSource
@@ -158,25 +159,7 @@ def kv_layout_from_proto(message: common_pb2.KvLayout) -> KvLayout:
     )
 
 
-def _check_handle_shape(num_tokens: int, block_size: int, num_blocks: int, layout_block_size: int) -> None:
-    if block_size == 0:
-        raise ValueError("handle.block_size must be > 0")
-    if block_size != layout_block_size:
-        raise ValueError(
-            f"handle.block_size {block_size} differs from handle.layout.block_size {layout_block_size}"
-        )
-    if num_tokens == 0:
-        raise ValueError("handle.num_tokens must be > 0")
-    num_needed = -(-num_tokens // block_size)
-    if num_blocks != num_needed:
-        raise ValueError(
-            f"handle has {num_blocks} block ids but {num_tokens} tokens at block_size {block_size} "
-            f"need {num_needed}"
-        )
-
-
 def kv_handle_to_proto(handle: KvHandle) -> common_pb2.KvHandle:
-    _check_handle_shape(handle.num_tokens, handle.block_size, len(handle.block_ids), handle.layout.block_size)
     return common_pb2.KvHandle(
         engine_id=handle.engine_id,
         source_address=handle.source_address,
@@ -195,15 +178,13 @@ def kv_handle_from_proto(message: common_pb2.KvHandle) -> KvHandle:
         raise ValueError("handle.source_address is empty (expected host:port)")
     if not message.HasField("layout"):
         raise ValueError("handle.layout is missing")
-    layout = kv_layout_from_proto(message.layout)
-    _check_handle_shape(message.num_tokens, message.block_size, len(message.block_ids), layout.block_size)
     return KvHandle(
         engine_id=message.engine_id,
         source_address=message.source_address,
         block_ids=tuple(message.block_ids),
         num_tokens=message.num_tokens,
         block_size=message.block_size,
-        layout=layout,
+        layout=kv_layout_from_proto(message.layout),
         lease_deadline_unix_ms=message.lease_deadline_unix_ms,
     )
 
@@ -444,6 +425,22 @@ def generate_prompt_from_proto(message: generate_pb2.GenerateRequest) -> str | l
             raise ValueError("prompt text is empty")
         return message.text
     return token_ids_from_proto(message.token_ids.ids, name="prompt token_ids")
+
+
+def generate_input_from_proto(
+    message: generate_pb2.GenerateRequest, encode: Callable[[str], list[int]] | None, *, no_tokenizer_hint: str
+) -> tuple[list[int], SamplingParams]:
+    """The prompt's token ids (text encoded with `encode`) and the sampling params; ValueError saying
+    what is wrong. no_tokenizer_hint: how to serve text prompts, for when `encode` is None."""
+    prompt = generate_prompt_from_proto(message)
+    sampling = sampling_params_from_proto(message.sampling if message.HasField("sampling") else None)
+    if isinstance(prompt, str):
+        if encode is None:
+            raise ValueError(f"text prompts need a tokenizer: {no_tokenizer_hint}, or send token_ids")
+        prompt = list(encode(prompt))
+        if not prompt:
+            raise ValueError("prompt text encodes to no tokens")
+    return prompt, sampling
 
 
 def generate_chunk_to_proto(

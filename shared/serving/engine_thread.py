@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from shared.engine.request import RequestStatus
+from shared.serving.outcomes import DuplicateRequestId, InvalidRequest, PodUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ DEFAULT_POLL_INTERVAL_S = 0.0005
 IDLE_WAIT_S = 0.05
 
 
-class EngineStopped(RuntimeError):
+class EngineStopped(PodUnavailable):
     """The engine loop stopped (shutdown or crash) before the request finished."""
 
 
@@ -111,7 +112,7 @@ class EngineLoop:
         if self._stopping or self.error is not None:
             raise EngineStopped("the engine is shutting down")
         if request.request_id in self._streams:
-            raise ValueError(f"request id {request.request_id!r} is already in flight")
+            raise DuplicateRequestId(f"request id {request.request_id!r} is already in flight")
         stream = RequestStream(request.request_id)
         self._streams[request.request_id] = stream
         self._send(lambda: self._add(request, stream.timeline))
@@ -124,22 +125,6 @@ class EngineLoop:
             return
         stream._put(None)
         self._send(lambda: self._abort(request_id))
-
-    def call(self, fn: Callable[[Any], Any]) -> asyncio.Future:
-        """Run fn(engine) on the engine thread; resolves with its result."""
-        assert self._loop is not None, "start() first"
-        future = self._loop.create_future()
-
-        def run() -> None:
-            try:
-                result = fn(self.engine)
-            except BaseException as exc:  # handed to the caller, not swallowed
-                self._loop.call_soon_threadsafe(_set_exception, future, exc)
-            else:
-                self._loop.call_soon_threadsafe(_set_result, future, result)
-
-        self._send(run)
-        return future
 
     def wake(self) -> None:
         """Make the loop thread look for work now (e.g. a connector event arrived from another thread)."""
@@ -199,7 +184,7 @@ class EngineLoop:
         try:
             self.engine.add_request(request)
         except ValueError as exc:  # the engine refused it: tell that request, keep serving the rest
-            self._loop.call_soon_threadsafe(self._reject, request.request_id, exc)
+            self._loop.call_soon_threadsafe(self._reject, request.request_id, InvalidRequest(str(exc)))
             return
         if not self.is_timing_requests:
             return
@@ -211,7 +196,7 @@ class EngineLoop:
         self._timelines.pop(request_id, None)
         self.engine.abort_request(request_id)
 
-    def _reject(self, request_id: str, error: ValueError) -> None:
+    def _reject(self, request_id: str, error: InvalidRequest) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream._put(error)
@@ -265,12 +250,3 @@ class EngineLoop:
                 return
             self.engine.step()
 
-
-def _set_result(future: asyncio.Future, result: Any) -> None:
-    if not future.done():
-        future.set_result(result)
-
-
-def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)

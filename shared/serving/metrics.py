@@ -10,17 +10,9 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import start_wsgi_server
 
+from shared.serving.outcomes import OUTCOMES
+
 NAMESPACE = "pdserve"
-# Every label value `requests_total{outcome=...}` may take; fixed so a bug cannot explode the
-# series count, and pre-created so a scrape shows zeros before the first request.
-OUTCOMES = (
-    "ok",  # finished normally (stop, length, EOS)
-    "error",  # failed inside the service (INTERNAL, UNAVAILABLE, transfer failure without fallback)
-    "cancelled",  # the caller went away or cancelled
-    "invalid",  # INVALID_ARGUMENT
-    "overloaded",  # RESOURCE_EXHAUSTED
-    "deadline_exceeded",  # a phase or the caller's deadline ran out
-)
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 

@@ -4,7 +4,8 @@ engine loop thread, admission limits and the load report. Both tiers build one; 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.serving.wire import LoadReport, PrefillKvSource
@@ -13,39 +14,70 @@ from shared.serving.engine_thread import EngineLoop, RequestStream
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
 from shared.engine.kv_transfer.handle import KvLayout
 from shared.engine.kv_transfer.nixl_connector import NixlConnector
+from shared.engine.kv_transfer.nixl_consumer import NixlConsumer
+from shared.engine.kv_transfer.nixl_producer import NixlProducer
 from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
-from shared.engine.model.loader import load_model
+from shared.engine.model.loader import DTYPE_AUTO, DTYPE_CHOICES, load_model
 from shared.engine.request import Request
+from shared.serving.outcomes import InvalidRequest, PodOverloaded
+from shared.serving.settings import engine_settings, setting
 
 
-class PodOverloaded(RuntimeError):
-    """The pod already has as many requests in flight as it admits."""
+def serving_scheduler_config() -> SchedulerConfig:
+    """The pods' batching limits (the engine's own defaults are sized for offline runs)."""
+    return SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=4096, max_model_len=2048)
+
+
+def serving_cache_config() -> CacheConfig:
+    """The pods' KV pool."""
+    return CacheConfig(block_size=16, num_blocks=4096, enable_prefix_caching=True)
+
+
+# PodConfig fields only one role has a flag for.
+PRODUCER_SETTINGS = ("lease_s", "advertise_address")
+CONSUMER_SETTINGS = ("kv_load_failure_policy",)
 
 
 @dataclass(frozen=True)
 class PodConfig:
-    """Engine settings of one pod (validated here; flags map onto these in each service's config)."""
+    """Settings of one pod: the engine configs it runs with, and the pod's own. Each field with
+    setting() metadata is a command-line flag (shared/serving/settings.py)."""
 
-    model: str = "tiny"  # a built-in preset name or an HF model directory
-    dtype: str = "float32"
-    seed: int = 0  # seed of the built-in random weights (prefill and decode must agree)
-    block_size: int = 16
-    num_blocks: int = 4096
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 4096
-    max_model_len: int = 2048
-    enable_prefix_caching: bool = True
-    max_requests_in_flight: int = 1024  # beyond this new requests get RESOURCE_EXHAUSTED
-    lease_s: float = 30.0  # producer: how long a finished prompt's blocks wait for their pull
-    kv_load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.RECOMPUTE
-    advertise_address: str = ""  # producer: host:port decode pods use to reach this pod
-    num_threads: int | None = None  # torch intra-op threads (None: torch's default)
-    device: str = "cpu"  # where the model and the KV pool live: "cpu" or "cuda[:N]" (NIXL then reads VRAM)
+    model: str = field(default="tiny", metadata=setting("built-in preset (tiny, 100m) or an HF model directory"))
+    dtype: str = field(default=DTYPE_AUTO, metadata=setting(
+        "model and KV dtype; auto: the checkpoint's dtype on a GPU, float32 on the CPU", choices=DTYPE_CHOICES
+    ))
+    seed: int = field(default=0, metadata=setting(
+        "seed of the built-in random weights (prefill and decode must agree)"
+    ))
+    scheduler: SchedulerConfig = field(default_factory=serving_scheduler_config, metadata=engine_settings(
+        max_num_seqs="most requests computed in one step",
+        max_num_batched_tokens="most tokens computed in one step",
+        max_model_len="longest prompt + output (capped at the model's own limit)",
+    ))
+    cache: CacheConfig = field(default_factory=serving_cache_config, metadata=engine_settings(
+        block_size="tokens per KV block",
+        num_blocks="KV blocks in the pool",
+        enable_prefix_caching=setting("turn prefix caching off", flag="--no-prefix-caching"),
+    ))
+    max_requests_in_flight: int = field(default=1024, metadata=setting(
+        "requests in flight beyond which new ones get RESOURCE_EXHAUSTED"
+    ))
+    lease_s: float = field(default=30.0, metadata=setting(
+        "seconds a prompt's KV is held for its pull (prefill)"
+    ))
+    kv_load_failure_policy: KVLoadFailurePolicy = field(default=KVLoadFailurePolicy.RECOMPUTE, metadata=setting(
+        "recompute the prompt locally or fail the request when pulled KV is not known good (decode)"
+    ))
+    advertise_address: str = field(default="", metadata=setting(
+        "host:port decode pods use to reach this pod (prefill; default: the bound host:port)"
+    ))
+    num_threads: int | None = field(default=None, metadata=setting("torch intra-op threads (default: the container's CPU limit, else torch's)"))
+    device: str = field(default="cpu", metadata=setting(
+        "where the model and the KV pool live: cpu or cuda[:N] (NIXL then reads device memory)"
+    ))
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_requests_in_flight < 1:
             raise ValueError(f"max_requests_in_flight must be >= 1, got {self.max_requests_in_flight}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -63,9 +95,9 @@ class Pod:
         """role None: a colocated pod (no connector) that runs whole requests itself."""
         self.role = role
         self.config = config
-        loaded = load_model(config.model, dtype=config.dtype, seed=config.seed)
+        loaded = load_model(config.model, dtype=config.dtype, seed=config.seed, device=config.device)
         model_config = loaded.config
-        max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
+        max_model_len = min(config.scheduler.max_model_len, model_config.max_position_embeddings)
         # A fresh id per process start: a restarted prefill pod cannot confirm an old hold.
         self.engine_id = f"{role.value if role else 'colocated'}-{uuid.uuid4().hex[:12]}"
         self.layout = KvLayout(
@@ -74,29 +106,13 @@ class Pod:
             num_layers=model_config.num_layers,
             num_kv_heads=model_config.num_kv_heads,
             head_dim=model_config.head_dim,
-            block_size=config.block_size,
+            block_size=config.cache.block_size,
         )
-        self.connector = None if role is None else NixlConnector(
-            role,
-            engine_id=self.engine_id,
-            layout=self.layout,
-            agent=KvTransferAgent(KvTransferAgent.unique_name(role.value)),
-            source_address=config.advertise_address,
-            lease_s=config.lease_s,
-            failure_policy=config.kv_load_failure_policy,
-        )
+        self.connector = None if role is None else self._make_connector(role, config)
         self.engine = LLMEngine(
             loaded,
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=max_model_len,
-            ),
-            CacheConfig(
-                block_size=config.block_size,
-                num_blocks=config.num_blocks,
-                enable_prefix_caching=config.enable_prefix_caching,
-            ),
+            dataclasses.replace(config.scheduler, max_model_len=max_model_len),
+            config.cache,
             connector=self.connector,
             num_threads=config.num_threads,
             device=config.device,
@@ -107,7 +123,21 @@ class Pod:
         self.tokenizer = loaded.tokenizer
         self.vocab_size = model_config.vocab_size
         self.eos_token_id = self.engine.eos_token_id
+        self.eos_token_ids = self.engine.eos_token_ids
         self.max_model_len = max_model_len
+
+    def _make_connector(self, role: KVRole, config: PodConfig) -> NixlConnector:
+        if role is KVRole.BOTH:
+            raise ValueError("a pod runs as kv_producer or kv_consumer, not kv_both")
+        common = dict(
+            engine_id=self.engine_id,
+            layout=self.layout,
+            agent=KvTransferAgent(KvTransferAgent.unique_name(role.value)),
+            load_failure_policy=config.kv_load_failure_policy,
+        )
+        if role is KVRole.PRODUCER:
+            return NixlProducer(source_address=config.advertise_address, lease_s=config.lease_s, **common)
+        return NixlConsumer(**common)
 
     def start(self) -> None:
         self.loop.start()
@@ -121,9 +151,9 @@ class Pod:
             self.connector.shutdown()
 
     def check_prompt_fits(self, num_tokens: int) -> None:
-        """ValueError unless num_tokens leaves room for at least one more token."""
+        """InvalidRequest unless num_tokens leaves room for at least one more token."""
         if num_tokens >= self.max_model_len:
-            raise ValueError(
+            raise InvalidRequest(
                 f"the prompt has {num_tokens} tokens; the model's maximum length is {self.max_model_len}, "
                 "which leaves no room for output"
             )

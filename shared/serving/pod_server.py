@@ -13,12 +13,14 @@ from typing import Any, Callable, Mapping, Sequence
 import grpc
 from opentelemetry import context as otel_context
 
-from shared.serving.engine_thread import EngineStopped, RequestTimeline
+from shared.serving.engine_thread import RequestTimeline
 from shared.serving.grpc_server import GrpcServer, ServerOptions
-from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
+from shared.engine.kv_transfer.connector import KVRole
 from shared.serving.cpu_limit import default_num_threads
 from shared.serving.metrics import ServiceMetrics, start_metrics_server
-from shared.serving.pod_runtime import Pod, PodConfig, PodOverloaded
+from shared.serving.pod_call import PodCall
+from shared.serving.pod_runtime import CONSUMER_SETTINGS, PRODUCER_SETTINGS, Pod, PodConfig
+from shared.serving.settings import add_flags, config_from_args
 from shared.serving.telemetry import (
     DEFAULT_UNTRACED_METHOD_PREFIXES, SpanAttr, Tracing, TracingConfig, record_span, setup_tracing,
 )
@@ -36,50 +38,31 @@ DRAIN_POLL_S = 0.02
 DEFAULT_KV_PORT_RANGE = "20000-20099"
 
 
-def add_pod_flags(parser: argparse.ArgumentParser, *, default_port: int) -> None:
-    defaults = PodConfig()
+def add_pod_flags(parser: argparse.ArgumentParser, *, default_port: int, role: KVRole | None) -> None:
+    """The server flags every pod has, then one flag per PodConfig setting of the pod's role."""
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=default_port, help=f"gRPC port (0 = any free; default {default_port})")
+    parser.add_argument(
+        "--port", type=int, default=default_port, help=f"gRPC port (0 = any free; default {default_port})"
+    )
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = any free; off if unset)")
     parser.add_argument("--otlp-endpoint", default=None, help="OTLP/gRPC trace endpoint, e.g. http://127.0.0.1:4317")
     parser.add_argument("--otel-sampling-ratio", type=float, default=None, help="trace sampling ratio in [0, 1]")
-    parser.add_argument("--model", default=defaults.model, help="built-in preset (tiny, 100m) or an HF model directory")
-    parser.add_argument("--dtype", default=defaults.dtype, choices=("float32", "bfloat16"))
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the built-in random weights")
-    parser.add_argument("--block-size", type=int, default=defaults.block_size)
-    parser.add_argument("--num-blocks", type=int, default=defaults.num_blocks, help="KV blocks in the pool")
-    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
-    parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
-    parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    parser.add_argument("--device", default=defaults.device, help="cpu (default) or cuda[:N]")
-    parser.add_argument("--num-threads", type=int, default=None,
-                        help="torch intra-op threads (default: the container's CPU limit, else torch's choice)")
     parser.add_argument("--kv-port-range", type=parse_port_range, default=DEFAULT_KV_PORT_RANGE,
                         help=f"LOW-HIGH: the TCP ports the NIXL/UCX KV transfer listens on (default {DEFAULT_KV_PORT_RANGE})")
-    parser.add_argument("--max-requests-in-flight", type=int, default=defaults.max_requests_in_flight)
     parser.add_argument(
         "--grace-seconds", type=float, default=ServerOptions.grace_seconds,
         help="on SIGTERM: how long requests in flight (and KV held for a peer) may take to finish",
     )
+    other_roles = {KVRole.PRODUCER: CONSUMER_SETTINGS, KVRole.CONSUMER: PRODUCER_SETTINGS}
+    add_flags(parser, PodConfig, exclude=other_roles.get(role, PRODUCER_SETTINGS + CONSUMER_SETTINGS))
 
 
-def pod_config_from_args(args: argparse.Namespace, **role_settings: Any) -> PodConfig:
-    return PodConfig(
-        model=args.model,
-        dtype=args.dtype,
-        seed=args.seed,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-        max_requests_in_flight=args.max_requests_in_flight,
-        num_threads=args.num_threads if args.num_threads is not None else default_num_threads(),
-        device=args.device,
-        **role_settings,
-    )
+def pod_config_from_args(args: argparse.Namespace) -> PodConfig:
+    """Without --num-threads, torch gets as many threads as the container's CPU limit allows."""
+    config = config_from_args(PodConfig, args)
+    if config.num_threads is None:
+        config = dataclasses.replace(config, num_threads=default_num_threads())
+    return config
 
 
 def parse_port_range(value: str) -> str:
@@ -88,10 +71,6 @@ def parse_port_range(value: str) -> str:
     if not (separator and low.isdigit() and high.isdigit() and 1024 <= int(low) <= int(high) <= 65535):
         raise argparse.ArgumentTypeError(f"expected LOW-HIGH with 1024 <= LOW <= HIGH <= 65535, got {value!r}")
     return value
-
-
-def parse_failure_policy(value: str) -> KVLoadFailurePolicy:
-    return KVLoadFailurePolicy(value)
 
 
 async def refresh_gauges(pod: Pod, metrics: ServiceMetrics) -> None:
@@ -111,30 +90,6 @@ async def refresh_gauges(pod: Pod, metrics: ServiceMetrics) -> None:
         await asyncio.sleep(GAUGE_INTERVAL_S)
 
 
-# What Pod.submit raises when it does not admit a request.
-ADMISSION_ERRORS = (PodOverloaded, EngineStopped, ValueError)
-
-
-def admission_status(error: Exception) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status and the metrics outcome for a request the pod did not admit."""
-    if isinstance(error, PodOverloaded):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded"
-    if isinstance(error, EngineStopped):
-        return grpc.StatusCode.UNAVAILABLE, "error"
-    return grpc.StatusCode.ALREADY_EXISTS, "invalid"  # its request id is already in flight
-
-
-# What a request's output stream raises when the engine cannot finish it.
-STREAM_ERRORS = (EngineStopped, ValueError)
-
-
-def stream_status(error: Exception) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status and the metrics outcome for a request whose stream broke off."""
-    if isinstance(error, EngineStopped):
-        return grpc.StatusCode.UNAVAILABLE, "error"
-    return grpc.StatusCode.INVALID_ARGUMENT, "invalid"  # the engine refused the request
-
-
 class PodServicer:
     """Base of the pod servicers: registered before the model loads, attached to the pod once ready.
     Holds the service's tracing (a disabled one until run_pod hands the real one over)."""
@@ -147,15 +102,6 @@ class PodServicer:
     def use_tracing(self, tracing: Tracing) -> None:
         """Called before the server starts (client channels made later carry its interceptors)."""
         self.tracing = tracing
-
-    def record_finish(self, span, num_tokens: int, reason, first_token_at: float | None) -> None:
-        """Token count, finish reason and TPOT (histogram and span attribute) of a finished stream."""
-        span.set_attribute(SpanAttr.NUM_OUTPUT_TOKENS, num_tokens)
-        span.set_attribute(SpanAttr.FINISH_REASON, reason.value)
-        if num_tokens > 1 and first_token_at is not None:
-            tpot_s = (time.monotonic() - first_token_at) / (num_tokens - 1)
-            self.metrics.tpot_seconds.observe(tpot_s)
-            span.set_attribute(SpanAttr.TPOT_S, tpot_s)
 
     def attach(self, pod: Pod) -> None:
         self.pod = pod
@@ -173,6 +119,11 @@ class PodServicer:
         if self.is_draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the pod is shutting down")
         return await self.require_pod(context)
+
+    async def start_call(self, context, tier: str | None) -> PodCall:
+        """Admit a call that starts new work; use the result as `async with`."""
+        await self.admit(context)
+        return PodCall(self, context, tier)
 
     # ---- tracing helpers (all no-ops when tracing is off) -------------------------------------
     def trace_parent(self) -> otel_context.Context | None:

@@ -47,9 +47,6 @@ class SpanAttr:
     NUM_PROMPT_TOKENS = "pdserve.num_prompt_tokens"
     NUM_OUTPUT_TOKENS = "pdserve.num_output_tokens"
     FINISH_REASON = "pdserve.finish_reason"
-    PREFILL_WORKER = "pdserve.route.prefill_worker"
-    DECODE_WORKER = "pdserve.route.decode_worker"
-    ROUTE_POLICY = "pdserve.route.policy"
     KV_BYTES = "pdserve.kv.bytes"
     KV_BLOCKS = "pdserve.kv.num_blocks"
     KV_GBPS = "pdserve.kv.gb_per_s"
@@ -190,15 +187,6 @@ class Tracing:
         if self.is_enabled:
             self.propagator.inject(carrier, context=ctx, setter=_METADATA_SETTER)
         return carrier
-
-    def extract(self, metadata: Iterable[Any] | None) -> otel_context.Context:
-        """The context carried by incoming gRPC metadata (empty context when none)."""
-        return self.propagator.extract(_metadata_dict(metadata), getter=_METADATA_GETTER)
-
-    def force_flush(self, timeout_s: float = 5.0) -> bool:
-        if self.provider is None:
-            return True
-        return self.provider.force_flush(int(timeout_s * 1000))
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Export what is buffered, then stop the exporter. Safe to call twice."""

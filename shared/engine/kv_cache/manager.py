@@ -91,10 +91,10 @@ class KVCacheManager:
             return [], 0
         hashes = self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        cached = self.block_pool._cached
+        get_cached_block = self.block_pool.get_cached_block
         hits: list[KVCacheBlock] = []
         for block_hash in hashes[:max_blocks]:
-            block = cached.get(block_hash)
+            block = get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
@@ -131,12 +131,12 @@ class KVCacheManager:
             num_slots = self.max_model_len
         num_hit_blocks = len(new_computed_blocks) if new_computed_blocks else 0
         num_new_blocks = -(-num_slots // self.block_size) - len(req_blocks) - num_hit_blocks
-        pool = self.block_pool
         new_block_ids: list[int] = []
         if num_new_blocks > 0 or num_hit_blocks:
+            pool = self.block_pool
             # Hits sitting in the free queue take free capacity too.
             num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if num_hit_blocks else 0
-            if max(num_new_blocks, 0) + num_revived > len(pool._free):
+            if max(num_new_blocks, 0) + num_revived > pool.get_num_free_blocks():
                 return None
             if num_hit_blocks:
                 pool.touch(new_computed_blocks)
@@ -146,10 +146,11 @@ class KVCacheManager:
                 new_blocks = pool.get_new_blocks(num_new_blocks)
                 req_blocks.extend(new_blocks)
                 new_block_ids = [b.block_id for b in new_blocks]
-        if self.enable_caching and not delay_cache_blocks and not request.skips_prefix_cache:
+        if self.enable_caching and not delay_cache_blocks:
             num_known = num_computed + num_new_tokens
-            if num_known > len(request.all_token_ids):
-                num_known = len(request.all_token_ids)
+            if num_known > request.num_tokens:
+                num_known = request.num_tokens
+            # cache_blocks() leaves out a request that skips the prefix cache.
             if num_known // self.block_size > self._num_cached[req_id]:
                 self.cache_blocks(request, num_known)
         return new_block_ids
@@ -202,6 +203,33 @@ class KVCacheManager:
 
     def get_num_cached_blocks(self, req_id: str) -> int:
         return self._num_cached.get(req_id, 0)
+
+    def get_num_common_prefix_blocks(self, requests: list[Request]) -> int:
+        """Leading blocks of requests[0]'s table that every one of requests shares."""
+        if not requests:
+            return 0
+        blocks = self._blocks.get(requests[0].request_id, ())
+        num_requests = len(requests)
+        if len(self._blocks) == num_requests:
+            # Every block table belongs to one of the requests, so a block's ref count is exactly
+            # the number of them holding it.
+            count = 0
+            for block in blocks:
+                if block.ref_cnt != num_requests:
+                    break
+                count += 1
+            return count
+        # Other holders (a request waiting for remote KV, blocks held for a peer) raise ref counts
+        # too: compare the tables themselves.
+        others = [self._blocks.get(request.request_id, ()) for request in requests[1:]]
+        count = 0
+        for index, block in enumerate(blocks):
+            if block.ref_cnt < num_requests:
+                break
+            if not all(len(table) > index and table[index] is block for table in others):
+                break
+            count += 1
+        return count
 
     def has_blocks(self, req_id: str) -> bool:
         return bool(self._blocks.get(req_id))

@@ -1,16 +1,16 @@
-"""The KV-connector interface (vLLM v1 shape): a scheduler side that decides, a worker side that moves bytes.
+"""The KV-connector contract (vLLM v1 shape): a scheduler side that decides, a worker side that moves bytes.
 
-One object per engine implements both sides; its role says whether it produces KV for a peer,
-consumes KV from a peer, or both.
+Every method the scheduler, the runner and the engine call is declared here with a default that
+means "nothing to transfer", so a connector overrides only what its role does.
 """
 from __future__ import annotations
 
-import abc
 import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from shared.engine.request import Request
     from shared.engine.sched.output import SchedulerOutput
 
 
@@ -37,28 +37,36 @@ class KVConnectorMetadata:
     requests: list[Any] = field(default_factory=list)
 
 
-class KVConnectorBase(abc.ABC):
+class KVConnectorBase:
     """Both sides of a connector. Method names follow vLLM v1 so the spec's mocks apply unchanged."""
 
-    def __init__(self, role: KVRole):
-        self.role = role
+    def __init__(self, role: KVRole, load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.RECOMPUTE):
+        self.role = KVRole(role)
+        # What the scheduler does with a request whose loaded KV turned out bad.
+        self.load_failure_policy = KVLoadFailurePolicy(load_failure_policy)
 
     # ---- scheduler side -------------------------------------------------------------------
-    @abc.abstractmethod
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond num_computed_tokens available externally, and whether they load asynchronously."""
+        return 0, False
 
-    @abc.abstractmethod
-    def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
         """Called once local blocks exist for the external tokens: remember where to load them."""
 
-    @abc.abstractmethod
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        """Collect this step's load/save instructions and reset the per-step state."""
+        """Collect this step's load instructions and reset the per-step state."""
+        return KVConnectorMetadata()
 
-    @abc.abstractmethod
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        """(delay_free, kv_transfer_params): delay_free keeps the blocks until finished_sending reports it."""
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Any]:
+        """(delay_free, handle) for a request that just finished. delay_free keeps its blocks until
+        finished_sending reports it; handle (not None only then, for a producer) is what a peer
+        needs to pull the held KV: the scheduler reports it as the request's hand-off."""
+        return False, None
+
+    def has_pending_work(self) -> bool:
+        """True while the engine must keep stepping without requests: holds to watch, transfers in
+        flight, events still to report."""
+        return False
 
     # ---- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:

@@ -34,12 +34,21 @@ class KvHandle:
     lease_deadline_unix_ms: int
 
     def __post_init__(self) -> None:
+        # The one check of a handle's shape: every handle that enters a pod is built here.
         object.__setattr__(self, "block_ids", tuple(self.block_ids))
-        expected = math.ceil(self.num_tokens / self.block_size) if self.block_size else None
-        if expected != len(self.block_ids):
+        if self.block_size < 1:
+            raise ValueError("handle.block_size must be > 0")
+        if self.block_size != self.layout.block_size:
             raise ValueError(
-                f"handle holds {len(self.block_ids)} blocks but {self.num_tokens} tokens of "
-                f"block size {self.block_size} need {expected}"
+                f"handle.block_size {self.block_size} differs from handle.layout.block_size {self.layout.block_size}"
+            )
+        if self.num_tokens < 1:
+            raise ValueError("handle.num_tokens must be > 0")
+        num_needed = math.ceil(self.num_tokens / self.block_size)
+        if len(self.block_ids) != num_needed:
+            raise ValueError(
+                f"handle has {len(self.block_ids)} block ids but {self.num_tokens} tokens at block_size "
+                f"{self.block_size} need {num_needed}"
             )
 
 

@@ -429,16 +429,6 @@ class KvTransferAgent:
         notifs, self._notifs = self._notifs, {}
         return {peer_name: list(messages) for peer_name, messages in notifs.items()}
 
-    def send_notif(self, peer_name: str, message: bytes) -> None:
-        """A standalone message to a peer (not bound to a transfer)."""
-        self._check_open()
-        if peer_name not in self._peers:
-            raise UnknownPeerError(f"no NIXL peer named {peer_name!r}")
-        try:
-            self._agent.send_notif(peer_name, bytes(message))
-        except Exception as exc:
-            raise KvTransferError(f"notifying {peer_name!r} failed: {exc!r}") from exc
-
     # ---- teardown ------------------------------------------------------------------------
     def close(self) -> None:
         """Cancel open transfers, drop peers, deregister the pool, destroy the agent. Safe to call twice."""

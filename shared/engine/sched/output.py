@@ -4,6 +4,7 @@ This is the contract between deciding (scheduler) and executing (runner): no tor
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,7 @@ class CachedRequestData:
     req_ids: list[str]
     # Token ids the runner has not seen yet (non-empty only when the runner cannot know them,
     # e.g. tokens appended by the scheduler itself); the runner tracks its own sampled tokens.
-    new_token_ids: list[list[int]]
+    new_token_ids: list[Sequence[int]]
     new_block_ids: list[list[int] | None]  # blocks appended to the block table this step
     num_computed_tokens: list[int]
 
@@ -53,12 +54,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     scheduled_spec_decode_tokens: dict[str, list[int]]  # req_id -> draft tokens to verify
     scheduled_encoder_inputs: dict[str, list[int]]  # req_id -> multimodal input indices
+    # Per KV-cache group: leading blocks of the first running request that every running request shares.
     num_common_prefix_blocks: list[int]
     finished_req_ids: set[str]  # finished since the last step: the runner drops their state
-    free_encoder_mm_hashes: list[str]
     preempted_req_ids: set[str] | None = None  # preempted this step: the runner drops their state
-    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
-    grammar_bitmask: Any = None
     kv_connector_metadata: Any = None  # the connector's per-step metadata (KVConnectorMetadata)
 
 
@@ -90,9 +89,6 @@ class ModelRunnerOutput:
     kv_connector_output: KVConnectorOutput | None = None
 
 
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
-
-
 @dataclass(slots=True)
 class EngineCoreOutput:
     """What one request produced in one step, for the engine to stream."""
@@ -101,9 +97,9 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    kv_transfer_params: dict | None = None  # set when a finished producer request holds KV for a peer
+    # Set when the finished request was handed off: its KV is held for a peer, which pulls it with this handle.
+    kv_handle: Any = None
     new_prompt_logprobs: Any = None
-    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

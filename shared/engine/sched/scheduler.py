@@ -9,7 +9,8 @@ Usage (one per engine):
         runner_out = runner.execute(out)                 # ModelRunnerOutput (+ KVConnectorOutput)
         eco = scheduler.update_from_output(out, runner_out)  # EngineCoreOutputs: tokens, finishes
 Several steps may be in flight: schedule() again before the older output is applied.
-The update half (update_from_output and the connector's report) lives in shared/engine/sched/update.py.
+Collaborators: the KV-cache manager (blocks), RemoteKvTracker (KV crossing engines) and
+EncoderBudget (multimodal inputs per step); a Request applies its own stop conditions.
 """
 from __future__ import annotations
 
@@ -17,20 +18,53 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.kv_cache.manager import KVCacheManager, KVCacheUsage
 from shared.engine.kv_transfer.connector import KVConnectorBase, KVLoadFailurePolicy
-from shared.engine.request import Request, RequestStatus
-from shared.engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from shared.engine.kv_transfer.handoff import HoldForPeer
+from shared.engine.request import FinishReason, Request, RequestStatus
+from shared.engine.sched.encoder_budget import EncoderBudget
+from shared.engine.sched.output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    KVConnectorOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from shared.engine.sched.remote_kv import RemoteKvTracker
 from shared.engine.sched.stats import SchedulerStats, SpecDecodingStats
-from shared.engine.sched.update import SchedulerUpdateMixin
+from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.structured_output import StructuredOutputManager
 
+_EMPTY: list[int] = []
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 
 
-class Scheduler(SchedulerUpdateMixin):
+class _StepPlan:
+    """One schedule() call's decisions as the running and waiting passes accumulate them
+    (a plain slotted class: it is built every step)."""
+
+    __slots__ = (
+        "token_budget", "encoder_budget", "num_scheduled_tokens", "spec_decode_tokens", "encoder_inputs",
+        "new_reqs", "cached_ids", "cached_new_blocks", "cached_computed", "preempted",
+    )
+
+    def __init__(self, token_budget: int, encoder_budget: EncoderBudget) -> None:
+        self.token_budget = token_budget
+        self.encoder_budget = encoder_budget
+        self.num_scheduled_tokens: dict[str, int] = {}
+        self.spec_decode_tokens: dict[str, list[int]] = {}
+        self.encoder_inputs: dict[str, list[int]] = {}
+        self.new_reqs: list[NewRequestData] = []
+        self.cached_ids: list[str] = []
+        self.cached_new_blocks: list[list[int] | None] = []
+        self.cached_computed: list[int] = []
+        self.preempted = False
+
+
+class Scheduler:
     """Decides each step which requests compute how many tokens, and applies the results."""
 
     # Async scheduling (AsyncScheduler) books output placeholders for steps in flight.
@@ -52,14 +86,6 @@ class Scheduler(SchedulerUpdateMixin):
         self.eos_token_id = eos_token_id
         self.log_stats = log_stats
         self.structured_output_manager = structured_output_manager or StructuredOutputManager()
-        if kv_load_failure_policy is None:
-            # Default: the connector's own policy (either attribute name), else recompute.
-            kv_load_failure_policy = (
-                getattr(connector, "load_failure_policy", None)
-                or getattr(connector, "failure_policy", None)
-                or KVLoadFailurePolicy.RECOMPUTE
-            )
-        self.kv_load_failure_policy = KVLoadFailurePolicy(kv_load_failure_policy)
 
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
@@ -74,6 +100,11 @@ class Scheduler(SchedulerUpdateMixin):
             enable_caching=cache_config.enable_prefix_caching,
             hash_seed=cache_config.prefix_hash_seed,
         )
+        if kv_load_failure_policy is None:
+            kv_load_failure_policy = (
+                connector.load_failure_policy if connector is not None else KVLoadFailurePolicy.RECOMPUTE
+            )
+        self.remote_kv = RemoteKvTracker(self.kv_cache_manager, kv_load_failure_policy)
 
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -81,12 +112,6 @@ class Scheduler(SchedulerUpdateMixin):
         # Finished / preempted since the last schedule(): the runner drops their state.
         self.finished_req_ids: set[str] = set()
         self._preempted_req_ids: set[str] = set()
-        # Remote KV landed for these (WAITING_FOR_REMOTE_KVS requests become schedulable).
-        self._finished_recving: set[str] = set()
-        # Finished producer requests whose blocks a peer still reads (freed on finished_sending).
-        self._held: dict[str, Request] = {}
-        # Aborted while their KV load was in flight: blocks freed when the load reports done.
-        self._abandoned_loads: dict[str, Request] = {}
         self._num_preemptions = 0
 
     # ---- properties ---------------------------------------------------------------------------
@@ -96,9 +121,17 @@ class Scheduler(SchedulerUpdateMixin):
         preempted request's stale in-flight output is dropped instead of delivered."""
         return self.connector is not None and self.connector.role.requires_kv_delivery
 
+    @property
+    def kv_load_failure_policy(self) -> KVLoadFailurePolicy:
+        return self.remote_kv.failure_policy
+
+    @kv_load_failure_policy.setter
+    def kv_load_failure_policy(self, policy: KVLoadFailurePolicy) -> None:
+        self.remote_kv.failure_policy = KVLoadFailurePolicy(policy)
+
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests or request.request_id in self._held:
+        if request.request_id in self.requests or self.remote_kv.is_held(request.request_id):
             raise ValueError(f"request {request.request_id!r} is already scheduled")
         if request.num_prompt_tokens >= self.max_model_len:
             raise ValueError(
@@ -155,65 +188,63 @@ class Scheduler(SchedulerUpdateMixin):
 
     @property
     def num_held_requests(self) -> int:
-        return len(self._held)
+        return self.remote_kv.num_held_requests
 
     def get_kv_usage(self) -> KVCacheUsage:
         """Pool usage for metrics; num_held_blocks counts blocks kept for a peer's pull."""
         usage = self.kv_cache_manager.get_usage()
-        held = sum(self.kv_cache_manager.get_num_blocks(req_id) for req_id in self._held)
         return KVCacheUsage(
             num_total_blocks=usage.num_total_blocks,
             num_free_blocks=usage.num_free_blocks,
             num_used_blocks=usage.num_used_blocks,
             num_cached_blocks=usage.num_cached_blocks,
-            num_held_blocks=held,
+            num_held_blocks=self.remote_kv.num_held_blocks,
         )
 
     # ---- schedule -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        token_budget = self.max_num_scheduled_tokens
-        encoder_budget = self.max_num_encoder_input_tokens
+        plan = _StepPlan(
+            self.max_num_scheduled_tokens,
+            EncoderBudget(self.max_num_encoder_input_tokens, self.scheduler_config.disable_chunked_mm_input),
+        )
+        now = time.monotonic()
+        self._schedule_running(plan, now)
+        # Waiting requests only when nothing was preempted this step (it would just bounce back).
+        if not plan.preempted and self.waiting:
+            self._schedule_waiting(plan)
+        return self._build_output(plan)
+
+    def _schedule_running(self, plan: _StepPlan, now: float) -> None:
+        """Running requests first, in arrival order; the tail is preempted under KV pressure."""
         threshold = self.scheduler_config.long_prefill_token_threshold
         max_model_len = self.max_model_len
-        is_async = self.is_async
         allocate = self.kv_cache_manager.allocate_slots
-        now = time.monotonic()
-
-        num_scheduled_tokens: dict[str, int] = {}
-        spec_decode_tokens: dict[str, list[int]] = {}
-        encoder_inputs: dict[str, list[int]] = {}
-        cached_ids: list[str] = []
-        cached_new_blocks: list[list[int] | None] = []
-        cached_computed: list[int] = []
-        preempted_now = False
-
-        # Running requests first, in arrival order; the tail is preempted under KV pressure.
+        commit = self._commit
+        add_cached_id = plan.cached_ids.append
+        add_cached_blocks = plan.cached_new_blocks.append
+        add_cached_computed = plan.cached_computed.append
         running = self.running
         index = 0
-        while index < len(running) and token_budget > 0:
+        while index < len(running) and plan.token_budget > 0:
             request = running[index]
+            index += 1
             if request.num_in_flight_samples and (
                 request.num_output_tokens + request.num_in_flight_samples >= request.max_tokens
                 or request.num_tokens + request.num_in_flight_samples >= max_model_len
             ):
-                # Everything it may still emit is already in flight.
-                index += 1
-                continue
+                continue  # everything it may still emit is already in flight
             num_computed = request.num_computed_tokens
             num_new = request.num_tokens_with_spec + request.num_output_placeholders - num_computed
             if 0 < threshold < num_new:
                 num_new = threshold
-            if num_new > token_budget:
-                num_new = token_budget
+            if num_new > plan.token_budget:
+                num_new = plan.token_budget
             if num_new > max_model_len - num_computed:
                 num_new = max_model_len - num_computed
-            scheduled_encoder = None
+            encoder_indices = None
             if request.mm_positions and num_new > 0:
-                num_new, scheduled_encoder, encoder_budget = self._schedule_encoder_inputs(
-                    request, num_computed, num_new, encoder_budget
-                )
+                num_new, encoder_indices = plan.encoder_budget.schedule(request, num_computed, num_new)
             if num_new <= 0:
-                index += 1
                 continue
             while True:
                 new_block_ids = allocate(request, num_new)
@@ -221,59 +252,163 @@ class Scheduler(SchedulerUpdateMixin):
                     break
                 victim = running.pop()
                 self._preempt_request(victim, now)
-                preempted_now = True
+                plan.preempted = True
                 if victim is request:
                     break
             if new_block_ids is None:
                 break
-            req_id = request.request_id
-            num_scheduled_tokens[req_id] = num_new
-            token_budget -= num_new
-            cached_ids.append(req_id)
-            cached_new_blocks.append(new_block_ids or None)
-            cached_computed.append(num_computed)
-            num_spec = 0
-            if request.spec_token_ids:
-                num_spec = num_new + num_computed - request.num_tokens - request.num_output_placeholders
-                if num_spec > 0:
-                    spec_decode_tokens[req_id] = request.spec_token_ids[:num_spec]
-                else:
-                    num_spec = 0
-                request.spec_token_ids = []
-            if scheduled_encoder:
-                encoder_inputs[req_id] = scheduled_encoder
-                request.encoder_inputs_done.update(scheduled_encoder)
-            request.num_computed_tokens = num_computed + num_new
-            request.num_in_flight_tokens += num_new
-            if is_async:
-                self._book_placeholders(request, num_spec)
-            index += 1
+            add_cached_id(request.request_id)
+            add_cached_blocks(new_block_ids or None)
+            add_cached_computed(num_computed)
+            num_spec = self._take_spec_tokens(plan, request, num_computed, num_new) if request.spec_token_ids else 0
+            commit(plan, request, num_computed, num_new, encoder_indices, num_spec)
 
-        new_reqs: list[NewRequestData] = []
-        # Waiting requests only when nothing was preempted this step (it would just bounce back).
-        if not preempted_now and self.waiting:
-            token_budget = self._schedule_waiting(
-                token_budget, encoder_budget, now, num_scheduled_tokens, encoder_inputs, new_reqs
+    def _take_spec_tokens(self, plan: _StepPlan, request: Request, num_computed: int, num_new: int) -> int:
+        """Move the draft tokens this step verifies into the plan; their count."""
+        num_spec = num_new + num_computed - request.num_tokens - request.num_output_placeholders
+        if num_spec > 0:
+            plan.spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+        request.spec_token_ids = []
+        return max(num_spec, 0)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Admit waiting requests (new, resumed, or whose remote KV landed) in arrival order."""
+        waiting = self.waiting
+        skipped: list[Request] = []
+        while waiting and plan.token_budget > 0 and len(self.running) < self.max_num_running_reqs:
+            request = waiting[0]
+            if not self._is_ready(request):
+                skipped.append(waiting.popleft())
+                continue
+            admitted = self._admit(plan, request)
+            if admitted is None:
+                break
+            waiting.popleft()
+            if not admitted:
+                skipped.append(request)  # its KV is loading
+        if skipped:
+            waiting.extendleft(reversed(skipped))
+
+    def _is_ready(self, request: Request) -> bool:
+        """Whether a waiting request may be admitted now (the waiting pass steps over it if not)."""
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not self.remote_kv.promote(request):
+            return False
+        # Stale output still to deliver (resuming now would resample those positions), or a
+        # grammar still compiling.
+        if request.num_stale_output_tokens and not request.drop_stale_output:
+            return False
+        return self.structured_output_manager.is_ready(request)
+
+    def _admit(self, plan: _StepPlan, request: Request) -> bool | None:
+        """Give one waiting request its blocks: True when it runs this step, False when it waits for
+        its KV to load, None when it does not fit (the waiting pass stops there)."""
+        kv = self.kv_cache_manager
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        req_id = request.request_id
+        if kv.has_blocks(req_id):  # its remote KV landed
+            hit_blocks, num_local, num_external, load_async = None, 0, 0, False
+            num_computed = request.num_computed_tokens
+        else:
+            hit_blocks, num_local, num_external, load_async = self._find_computed_tokens(request)
+            num_computed = num_local + num_external
+        encoder_indices = None
+        if load_async and num_external > 0:
+            num_new = 0
+        else:
+            load_async = False
+            num_new = request.num_tokens - num_computed
+            if num_new <= 0:
+                # The last token is always computed here so that the step samples.
+                num_external -= 1 - num_new
+                num_computed = request.num_tokens - 1
+                num_new = 1
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > plan.token_budget:
+                if not self.scheduler_config.enable_chunked_prefill:
+                    return None
+                num_new = plan.token_budget
+            if request.mm_positions:
+                num_new, encoder_indices = plan.encoder_budget.schedule(request, num_computed, num_new)
+            if num_new <= 0:
+                return None
+        new_block_ids = kv.allocate_slots(
+            request,
+            num_new,
+            num_new_computed_tokens=num_local,
+            new_computed_blocks=hit_blocks,
+            num_external_computed_tokens=num_external,
+            delay_cache_blocks=load_async,
+        )
+        if new_block_ids is None:
+            return None
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(request, kv.get_block_ids(req_id), num_external)
+        if load_async:
+            self.remote_kv.start_load(request, num_computed)
+            return False
+        self.running.append(request)
+        request.status = _RUNNING
+        plan.new_reqs.append(
+            NewRequestData(
+                req_id=req_id,
+                prompt_token_ids=request.prompt_token_ids,
+                prefill_token_ids=list(request.all_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=kv.get_block_ids(req_id),
+                num_computed_tokens=num_computed,
             )
+        )
+        self._commit(plan, request, num_computed, num_new, encoder_indices, 0)
+        return True
 
+    def _find_computed_tokens(self, request: Request) -> tuple[list | None, int, int, bool]:
+        """(prefix-cache hit blocks, the tokens they hold, tokens the connector can add beyond them,
+        whether those load asynchronously)."""
+        hit_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
+        if self.connector is None:
+            return hit_blocks, num_local, 0, False
+        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+        return hit_blocks, num_local, num_external or 0, load_async
+
+    def _commit(
+        self,
+        plan: _StepPlan,
+        request: Request,
+        num_computed: int,
+        num_new: int,
+        encoder_indices: list[int] | None,
+        num_spec: int,
+    ) -> None:
+        """The bookkeeping every scheduled request ends with, running or newly admitted."""
+        req_id = request.request_id
+        plan.num_scheduled_tokens[req_id] = num_new
+        plan.token_budget -= num_new
+        if encoder_indices:
+            plan.encoder_inputs[req_id] = encoder_indices
+            request.encoder_inputs_done.update(encoder_indices)
+        request.num_computed_tokens = num_computed + num_new
+        request.num_in_flight_tokens += num_new
+        if self.is_async:
+            self._book_placeholders(request, num_spec)
+
+    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
         cached = CachedRequestData(
-            req_ids=cached_ids,
-            new_token_ids=[[] for _ in cached_ids],
-            new_block_ids=cached_new_blocks,
-            num_computed_tokens=cached_computed,
+            req_ids=plan.cached_ids,
+            new_token_ids=[()] * len(plan.cached_ids),  # the runner tracks the tokens it sampled
+            new_block_ids=plan.cached_new_blocks,
+            num_computed_tokens=plan.cached_computed,
         )
         output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
+            scheduled_new_reqs=plan.new_reqs,
             scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=self.max_num_scheduled_tokens - token_budget,
-            scheduled_spec_decode_tokens=spec_decode_tokens,
-            scheduled_encoder_inputs=encoder_inputs,
-            num_common_prefix_blocks=[self._num_common_prefix_blocks()],
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_scheduled_tokens - plan.token_budget,
+            scheduled_spec_decode_tokens=plan.spec_decode_tokens,
+            scheduled_encoder_inputs=plan.encoder_inputs,
+            num_common_prefix_blocks=[self.kv_cache_manager.get_num_common_prefix_blocks(self.running)],
             finished_req_ids=self.finished_req_ids,
-            free_encoder_mm_hashes=[],
             preempted_req_ids=self._preempted_req_ids,
-            structured_output_request_ids=self._structured_output_ids(num_scheduled_tokens),
         )
         self.finished_req_ids = set()
         self._preempted_req_ids = set()
@@ -281,173 +416,8 @@ class Scheduler(SchedulerUpdateMixin):
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
 
-    def _schedule_waiting(
-        self,
-        token_budget: int,
-        encoder_budget: int,
-        now: float,
-        num_scheduled_tokens: dict[str, int],
-        encoder_inputs: dict[str, list[int]],
-        new_reqs: list[NewRequestData],
-    ) -> int:
-        """Admit waiting requests (new, resumed, or whose remote KV landed) in arrival order."""
-        kv = self.kv_cache_manager
-        connector = self.connector
-        threshold = self.scheduler_config.long_prefill_token_threshold
-        chunked = self.scheduler_config.enable_chunked_prefill
-        waiting = self.waiting
-        running = self.running
-        skipped: list[Request] = []
-        while waiting and token_budget > 0 and len(running) < self.max_num_running_reqs:
-            request = waiting[0]
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not self._promote_remote_kv(request):
-                skipped.append(waiting.popleft())
-                continue
-            if (request.num_stale_output_tokens and not request.drop_stale_output) or not (
-                self.structured_output_manager.is_ready(request)
-            ):
-                # Stale output still to deliver (resuming now would resample those positions),
-                # or a grammar still compiling.
-                skipped.append(waiting.popleft())
-                continue
-            req_id = request.request_id
-            hit_blocks = None
-            num_local = num_external = 0
-            load_async = False
-            if not kv.has_blocks(req_id):
-                hit_blocks, num_local = kv.get_computed_blocks(request)
-                if connector is not None:
-                    matched, load_async = connector.get_num_new_matched_tokens(request, num_local)
-                    num_external = matched or 0
-                num_computed = num_local + num_external
-            else:
-                num_computed = request.num_computed_tokens
-            if load_async and num_external > 0:
-                num_new = 0
-            else:
-                load_async = False
-                num_new = request.num_tokens - num_computed
-                if num_new <= 0:
-                    # The last token is always computed here so that the step samples.
-                    num_external -= 1 - num_new
-                    num_computed = request.num_tokens - 1
-                    num_new = 1
-                if 0 < threshold < num_new:
-                    num_new = threshold
-                if num_new > token_budget:
-                    if not chunked:
-                        break
-                    num_new = token_budget
-                scheduled_encoder = None
-                if request.mm_positions:
-                    num_new, scheduled_encoder, encoder_budget = self._schedule_encoder_inputs(
-                        request, num_computed, num_new, encoder_budget
-                    )
-                if num_new <= 0:
-                    break
-            new_block_ids = kv.allocate_slots(
-                request,
-                num_new,
-                num_new_computed_tokens=num_local,
-                new_computed_blocks=hit_blocks,
-                num_external_computed_tokens=num_external,
-                delay_cache_blocks=load_async,
-            )
-            if new_block_ids is None:
-                break
-            waiting.popleft()
-            if connector is not None:
-                connector.update_state_after_alloc(request, kv.get_block_ids(req_id), num_external)
-            if load_async:
-                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                request.num_pending_computed_tokens = num_computed
-                skipped.append(request)
-                continue
-            running.append(request)
-            request.status = _RUNNING
-            new_reqs.append(
-                NewRequestData(
-                    req_id=req_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    prefill_token_ids=list(request.all_token_ids),
-                    sampling_params=request.sampling_params,
-                    block_ids=kv.get_block_ids(req_id),
-                    num_computed_tokens=num_computed,
-                )
-            )
-            num_scheduled_tokens[req_id] = num_new
-            token_budget -= num_new
-            if scheduled_encoder:
-                encoder_inputs[req_id] = scheduled_encoder
-                request.encoder_inputs_done.update(scheduled_encoder)
-            request.num_computed_tokens = num_computed + num_new
-            request.num_in_flight_tokens += num_new
-            if self.is_async:
-                self._book_placeholders(request, 0)
-        if skipped:
-            waiting.extendleft(reversed(skipped))
-        return token_budget
-
     def _book_placeholders(self, request: Request, num_spec: int) -> None:
         """Async hook: account for the output of a step that has not come back yet."""
-
-    def _schedule_encoder_inputs(
-        self, request: Request, num_computed: int, num_new: int, encoder_budget: int
-    ) -> tuple[int, list[int], int]:
-        """Multimodal inputs overlapping [num_computed, num_computed + num_new) need their encoder
-        run this step; shrink num_new to stop before an input the budget cannot take."""
-        scheduled: list[int] = []
-        end = num_computed + num_new
-        for index, pos in enumerate(request.mm_positions):
-            start, length = pos.offset, pos.length
-            if start >= end:
-                break
-            if start + length <= num_computed or index in request.encoder_inputs_done:
-                continue
-            if self.scheduler_config.disable_chunked_mm_input and num_computed < start and end < start + length:
-                num_new = start - num_computed
-                break
-            if length > encoder_budget:
-                num_new = start - num_computed if num_computed < start else 0
-                break
-            encoder_budget -= length
-            scheduled.append(index)
-        return num_new, scheduled, encoder_budget
-
-    def _promote_remote_kv(self, request: Request) -> bool:
-        """A WAITING_FOR_REMOTE_KVS request whose load finished becomes an ordinary waiting request."""
-        req_id = request.request_id
-        if req_id not in self._finished_recving:
-            return False
-        self._finished_recving.discard(req_id)
-        num_computed = min(request.num_pending_computed_tokens, request.num_tokens - 1)
-        self.kv_cache_manager.cache_blocks(request, num_computed)
-        request.num_computed_tokens = num_computed
-        request.status = RequestStatus.WAITING
-        return True
-
-    def _num_common_prefix_blocks(self) -> int:
-        # Leading blocks of the first running request that every running request shares.
-        if not self.running:
-            return 0
-        num_running = len(self.running)
-        blocks = self.kv_cache_manager._blocks.get(self.running[0].request_id, ())
-        count = 0
-        for block in blocks:
-            if block.ref_cnt != num_running:
-                break
-            count += 1
-        return count
-
-    def _structured_output_ids(self, num_scheduled_tokens: dict[str, int]) -> dict[str, int]:
-        if not any(r.structured_output_request is not None for r in self.running):
-            return {}
-        ids = {}
-        for req_id in num_scheduled_tokens:
-            request = self.requests[req_id]
-            if request.structured_output_request is not None:
-                ids[req_id] = len(ids)
-        return ids
 
     def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool | None = None) -> None:
         """Free the request's blocks and send it back to the front of the queue to recompute.
@@ -473,15 +443,169 @@ class Scheduler(SchedulerUpdateMixin):
         self._preempted_req_ids.add(request.request_id)
         self._num_preemptions += 1
 
+    # ---- update -------------------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Apply one step's results: append tokens, check stops, retire finished requests."""
+        kv_output = model_runner_output.kv_connector_output
+        outputs: list[EngineCoreOutput] = []
+        finished_now: set[str] = set()
+        if kv_output is not None and kv_output.invalid_block_ids:
+            self._handle_invalid_blocks(kv_output.invalid_block_ids, outputs, finished_now)
+
+        sampled_all = model_runner_output.sampled_token_ids
+        spec_all = model_runner_output.spec_token_ids
+        index_of = model_runner_output.req_id_to_index
+        prompt_logprobs = model_runner_output.prompt_logprobs_dict
+        spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
+        spec_stats: SpecDecodingStats | None = None
+        requests = self.requests
+        max_model_len = self.max_model_len
+
+        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            request = requests.get(req_id)
+            if request is None:
+                continue  # finished while this step was in flight
+            in_flight = request.num_in_flight_tokens - num_scheduled
+            request.num_in_flight_tokens = in_flight if in_flight > 0 else 0
+            index = index_of.get(req_id)
+            sampled = sampled_all[index] if index is not None else _EMPTY
+            if request.num_stale_output_tokens:
+                self._apply_stale_output(request, num_scheduled, sampled, outputs, finished_now)
+                continue
+            if request.status != _RUNNING:
+                continue
+            new_tokens = _EMPTY
+            if sampled:
+                drafts = spec_scheduled.get(req_id) if spec_scheduled else None
+                num_drafts = len(drafts) if drafts else 0
+                if num_drafts:
+                    spec_stats = self._accept_drafts(request, num_drafts, len(sampled) - 1, spec_stats)
+                if request.num_output_placeholders:
+                    left = request.num_output_placeholders - 1 - num_drafts
+                    request.num_output_placeholders = left if left > 0 else 0
+                    if request.num_in_flight_samples:
+                        request.num_in_flight_samples -= 1
+                new_tokens = request.append_sampled_token_ids(sampled, max_model_len)
+                if new_tokens and request.structured_output_request is not None:
+                    self._advance_grammar(request, new_tokens)
+            if spec_all is not None and index is not None and not self.is_async:
+                request.spec_token_ids = list(spec_all[index] or ())
+            plp = prompt_logprobs.get(req_id) if prompt_logprobs else None
+            if request.status != _RUNNING:
+                finished_now.add(req_id)
+                request.spec_token_ids = []
+                kv_handle = self._free_request(request)
+                outputs.append(
+                    EngineCoreOutput(
+                        req_id, new_tokens, request.get_finished_reason(), request.stop_reason, kv_handle, plp
+                    )
+                )
+            elif new_tokens or plp is not None:
+                outputs.append(EngineCoreOutput(req_id, new_tokens, None, None, None, plp))
+
+        if finished_now:
+            self.running = [r for r in self.running if r.request_id not in finished_now]
+        if kv_output is not None:
+            self.remote_kv.apply_connector_output(kv_output, self.requests)
+        stats = self.make_stats(spec_stats) if self.log_stats else None
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, finished_requests=finished_now)
+
+    def _accept_drafts(
+        self, request: Request, num_drafts: int, num_accepted: int, spec_stats: SpecDecodingStats | None
+    ) -> SpecDecodingStats:
+        """Rejected drafts were computed for nothing: their positions are computed again."""
+        request.num_computed_tokens -= num_drafts - num_accepted
+        if spec_stats is None:
+            spec_stats = SpecDecodingStats()
+        spec_stats.observe_draft(num_drafts, num_accepted)
+        return spec_stats
+
+    def _advance_grammar(self, request: Request, new_tokens: list[int]) -> None:
+        """A grammar that rejects the sampled tokens ends the request with an error."""
+        if not self.structured_output_manager.should_advance(request):
+            return
+        if not request.structured_output_request.grammar.accept_tokens(request.request_id, new_tokens):
+            request.status = RequestStatus.FINISHED_ERROR
+            request.resumable = False
+
+    def _apply_stale_output(
+        self,
+        request: Request,
+        num_scheduled: int,
+        sampled: list[int],
+        outputs: list[EngineCoreOutput],
+        finished_now: set[str],
+    ) -> None:
+        """Output of a step scheduled before the request was preempted."""
+        stale = request.num_stale_output_tokens - num_scheduled
+        request.num_stale_output_tokens = stale if stale > 0 else 0
+        if request.drop_stale_output or not sampled:
+            return
+        # Deliver losslessly: the request recomputes from its tokens, these included.
+        new_tokens = request.append_sampled_token_ids(sampled, self.max_model_len)
+        if request.is_finished():
+            self.waiting.remove(request)
+            finished_now.add(request.request_id)
+            kv_handle = self._free_request(request)
+            outputs.append(
+                EngineCoreOutput(
+                    request.request_id, new_tokens, request.get_finished_reason(), request.stop_reason, kv_handle
+                )
+            )
+        else:
+            outputs.append(EngineCoreOutput(request.request_id, new_tokens))
+
+    def _free_request(self, request: Request, load_in_flight: bool = False):
+        """Retire a finished request: the connector decides whether its blocks stay held for a peer;
+        returns the handle a peer pulls them with (None when nothing was handed off)."""
+        req_id = request.request_id
+        delay_free, kv_handle = False, None
+        if self.connector is not None:
+            if request.num_tokens >= self.max_model_len and isinstance(request.kv_transfer_params, HoldForPeer):
+                # At the model's length nothing can follow on a peer: no hold, the blocks free at once.
+                request.kv_transfer_params = None
+            delay_free, kv_handle = self.connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(req_id)
+            )
+        self.requests.pop(req_id, None)
+        self.finished_req_ids.add(req_id)
+        self.remote_kv.retire(request, delay_free, load_in_flight)
+        return kv_handle
+
+    def _handle_invalid_blocks(
+        self, bad_block_ids: set[int], outputs: list[EngineCoreOutput], finished_now: set[str]
+    ) -> None:
+        """Blocks whose KV load failed: recompute from the first bad block, or fail the request."""
+        to_fail, to_recompute = self.remote_kv.triage_load_failures(list(self.requests.values()), bad_block_ids)
+        for request in to_fail:
+            self._finish_with_error(request, outputs, finished_now)
+        now = time.monotonic()
+        for request in to_recompute:
+            # Loaded synchronously into a step that already ran on bad KV: that step's output
+            # is dropped and the request recomputes (its good blocks stay prefix-cached).
+            self.running.remove(request)
+            self._preempt_request(request, now, drop_stale_output=True)
+
+    def _finish_with_error(self, request: Request, outputs: list[EngineCoreOutput], finished_now: set[str]) -> None:
+        was_loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        if request.status == _RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ERROR
+        request.resumable = False
+        finished_now.add(request.request_id)
+        kv_handle = self._free_request(request, load_in_flight=was_loading)
+        outputs.append(EngineCoreOutput(request.request_id, [], FinishReason.ERROR, None, kv_handle))
+
     # ---- maintenance --------------------------------------------------------------------------
     def release_held(self, request_ids: Iterable[str] | None = None) -> set[str]:
         """Free blocks held for a peer without waiting for the connector (cancellation, shutdown);
         None releases every hold. Returns the ids released. The connector's own hold record is
         the caller's to drop."""
-        ids = list(self._held) if request_ids is None else [r for r in request_ids if r in self._held]
-        for req_id in ids:
-            self.kv_cache_manager.free(self._held.pop(req_id))
-        return set(ids)
+        return self.remote_kv.release_held(request_ids)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget all cached prefixes. With reset_running_requests, running requests are preempted
@@ -494,19 +618,10 @@ class Scheduler(SchedulerUpdateMixin):
         return self.kv_cache_manager.reset_prefix_cache()
 
     def make_stats(self, spec_decoding_stats: SpecDecodingStats | None = None) -> SchedulerStats:
-        usage = self.kv_cache_manager.get_usage()
-        num_remote = sum(1 for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS) if (
-            self.connector is not None
-        ) else 0
         stats = SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
-            num_waiting_for_remote_kv_reqs=num_remote,
-            num_held_reqs=len(self._held),
-            num_held_blocks=sum(self.kv_cache_manager.get_num_blocks(r) for r in self._held) if self._held else 0,
-            kv_cache_usage=usage.usage,
-            num_free_blocks=usage.num_free_blocks,
-            num_total_blocks=usage.num_total_blocks,
+            kv_cache_usage=self.kv_cache_manager.get_usage().usage,
             num_preemptions=self._num_preemptions,
             prefix_cache_stats=self.kv_cache_manager.take_prefix_cache_stats(),
             spec_decoding_stats=spec_decoding_stats,

@@ -1,10 +1,10 @@
-"""An in-process KV connector: a producer engine and a consumer engine in one process share a
-LoopbackKVStore, so tests (and single-process demos) can run the whole P/D handoff without a network.
+"""An in-process KV connector for tests: a producer engine and a consumer engine in one process share
+a LoopbackKVStore, so the scheduler tests run the whole P/D handoff without a network.
 
-Producer: request_finished() holds the prompt's blocks under a lease and returns the KV handle as
-kv_transfer_params. Consumer: a request whose kv_transfer_params carry that handle
-(do_remote_prefill) is loaded asynchronously; start_load_kv() copies the blocks (when both sides
-registered KV tensors) and releases the hold, which the producer then reports as finished_sending.
+Producer: a request with HoldForPeer has its prompt's blocks held under a lease by request_finished(),
+which hands off a LoopbackHandle. Consumer: a request whose kv_transfer_params is that handle is
+loaded asynchronously; start_load_kv() copies the blocks (when both sides registered KV tensors) and
+releases the hold, which the producer then reports as finished_sending.
 """
 from __future__ import annotations
 
@@ -14,7 +14,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.engine.kv_transfer.connector import KVConnectorBase, KVConnectorMetadata, KVLoadFailurePolicy, KVRole
+from shared.engine.kv_transfer.handoff import HoldForPeer, KvTransferParams
 from shared.engine.request import RequestStatus
+
+
+@dataclass(frozen=True)
+class LoopbackHandle(KvTransferParams):
+    """What a loopback producer hands off; a consumer request carries it to load those blocks."""
+
+    engine_id: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    block_size: int
+    lease_deadline: float
 
 
 @dataclass
@@ -94,49 +107,50 @@ class LoopbackConnector(KVConnectorBase):
         load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.RECOMPUTE,
         block_dim: int = 0,
     ) -> None:
-        super().__init__(KVRole(role))
+        super().__init__(role, load_failure_policy)
         self.store = store
         self.engine_id = engine_id
         self.block_size = block_size
         self.lease_s = lease_s
-        self.load_failure_policy = KVLoadFailurePolicy(load_failure_policy)
         self.block_dim = block_dim  # the dimension of a KV tensor that indexes blocks
         self.kv_caches: dict[str, Any] = {}
         self._loads: list[LoadSpec] = []
         self._releases: list[tuple[str, str]] = []
         self._finished_recving: set[str] = set()
         self._bad_block_ids: set[int] = set()
+        # Consumer requests whose one load is decided: a resumed (preempted) request recomputes.
+        self._resolved: set[str] = set()
 
     # ---- scheduler side -----------------------------------------------------------------------
-    def _remote(self, request) -> dict | None:
-        params = request.kv_transfer_params
-        if self.role == KVRole.PRODUCER or not params or not params.get("do_remote_prefill"):
+    def _remote(self, request) -> LoopbackHandle | None:
+        handle = request.kv_transfer_params
+        if self.role == KVRole.PRODUCER or not isinstance(handle, LoopbackHandle):
             return None
-        return params
+        return None if request.request_id in self._resolved else handle
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        params = self._remote(request)
-        if params is None:
+        handle = self._remote(request)
+        if handle is None:
             return 0, False
-        num_remote = min(int(params["remote_num_tokens"]), request.num_tokens - 1)
+        num_remote = min(handle.num_tokens, request.num_tokens - 1)
         num_external = max(0, num_remote - num_computed_tokens)
         return num_external, num_external > 0
 
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
-        params = self._remote(request)
-        if params is None:
+        handle = self._remote(request)
+        if handle is None:
             if num_external_tokens > 0:
                 # External tokens without a handle (a subclass or test decided them): a load
                 # entry without a source, which start_load_kv reports as failed.
                 first = (request.num_computed_tokens) // self.block_size
                 self._loads.append(LoadSpec(request.request_id, None, None, [], list(block_ids[first:])))
             return
-        params["do_remote_prefill"] = False  # one pull per handle; a later resume recomputes
-        key = (params["remote_engine_id"], params["remote_request_id"])
+        self._resolved.add(request.request_id)  # one pull per handle; a later resume recomputes
+        key = (handle.engine_id, handle.request_id)
         if num_external_tokens <= 0:
             self._releases.append(key)
             return
-        num_remote = min(int(params["remote_num_tokens"]), request.num_tokens - 1)
+        num_remote = min(handle.num_tokens, request.num_tokens - 1)
         first = (num_remote - num_external_tokens) // self.block_size
         last = -(-num_remote // self.block_size)
         self._loads.append(
@@ -144,7 +158,7 @@ class LoopbackConnector(KVConnectorBase):
                 request_id=request.request_id,
                 remote_engine_id=key[0],
                 remote_request_id=key[1],
-                remote_block_ids=list(params["remote_block_ids"][first:last]),
+                remote_block_ids=list(handle.block_ids[first:last]),
                 local_block_ids=list(block_ids[first:last]),
             )
         )
@@ -154,14 +168,13 @@ class LoopbackConnector(KVConnectorBase):
         self._loads, self._releases = [], []
         return meta
 
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        params = request.kv_transfer_params
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, LoopbackHandle | None]:
         remote = self._remote(request)
+        self._resolved.discard(request.request_id)
         if remote is not None:
             # Ended before its pull was scheduled (abort): the producer must not hold for nobody.
-            remote["do_remote_prefill"] = False
-            self.store.release(remote["remote_engine_id"], remote["remote_request_id"])
-        if self.role == KVRole.CONSUMER or not params or not params.get("do_remote_decode"):
+            self.store.release(remote.engine_id, remote.request_id)
+        if self.role == KVRole.CONSUMER or not isinstance(request.kv_transfer_params, HoldForPeer):
             return False, None
         # Only a request capped at its hand-off token continues on the peer; a stop (EOS, stop
         # token) or an abort ends it here and frees the blocks at once.
@@ -174,24 +187,15 @@ class LoopbackConnector(KVConnectorBase):
         held = list(block_ids[:num_blocks])
         deadline = self.store.clock() + self.lease_s
         self.store.hold(self.engine_id, request.request_id, _Hold(held, num_tokens, deadline, self))
-        return True, {
-            "do_remote_prefill": True,
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": request.request_id,
-            "remote_block_ids": held,
-            "remote_num_tokens": num_tokens,
-            "remote_block_size": self.block_size,
-            "lease_deadline": deadline,
-        }
+        handle = LoopbackHandle(self.engine_id, request.request_id, tuple(held), num_tokens, self.block_size, deadline)
+        return True, handle
 
     # ---- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.kv_caches = dict(kv_caches)
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
-        if metadata is None:
-            return
-        for engine_id, request_id in getattr(metadata, "releases", ()):
+        for engine_id, request_id in metadata.releases:
             self.store.release(engine_id, request_id)
         for load in metadata.requests:
             if load.remote_engine_id is None:

@@ -1,0 +1,229 @@
+"""The decode side of the NIXL handoff: pull a prompt's blocks with NIXL READs, confirm the hold
+with the prefill pod (ReleaseKv), and let the scheduler use the blocks only when it was intact.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from shared.engine.kv_transfer.connector import KVConnectorMetadata, KVRole
+from shared.engine.kv_transfer.handle import KvHandle, KvPullOutcome, KvPullStats, KvSource
+from shared.engine.kv_transfer.handoff import PullFromPeer
+from shared.engine.kv_transfer.nixl_connector import NixlConnector
+from shared.engine.kv_transfer.transfer_agent import KvTransfer, KvTransferError, TransferState
+from shared.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+# A pull still pending after this long is cancelled and the prompt recomputed.
+DEFAULT_TRANSFER_TIMEOUT_S = 30.0
+
+
+@dataclass
+class _Pull:
+    """One request's pull, from allocation to the confirmed (or refused) release."""
+
+    request_id: str
+    handle: KvHandle
+    source: KvSource
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    num_cached_blocks: int
+    transfer: KvTransfer | None = None
+    is_aborted: bool = False  # the request ended while its READ was in flight
+    is_confirming: bool = False  # READ over (or abandoned), ReleaseKv asked
+    error: str | None = None
+
+
+@dataclass
+class PullMetadata(KVConnectorMetadata):
+    """This step's pulls to post."""
+
+    requests: list[_Pull] = field(default_factory=list)
+
+
+class NixlConsumer(NixlConnector):
+    """Pulls prompts' KV from prefill pods. on_release_result() may run on any thread."""
+
+    def __init__(self, *, transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S, **kwargs):
+        super().__init__(KVRole.CONSUMER, **kwargs)
+        self.transfer_timeout_s = transfer_timeout_s
+        self._to_post: list[_Pull] = []
+        self._pulls: dict[str, _Pull] = {}  # posted, not yet confirmed
+        self._confirmations: dict[str, bool] = {}  # request id -> intact, from ReleaseKv
+        self._landed: set[str] = set()
+        self._ended: set[str] = set()  # aborted mid-pull, now safe to free
+        self._bad_block_ids: set[int] = set()
+        self._stats: dict[str, KvPullStats] = {}
+        # Requests whose one pull attempt is decided: a resumed (preempted) request recomputes.
+        self._resolved: set[str] = set()
+        # Set by the composition root: posts ReleaseKv(handle, request_id) off the engine thread and
+        # reports back through on_release_result.
+        self.release_remote: Callable[[KvHandle, str], None] | None = None
+
+    def pull_precheck(self, handle: KvHandle) -> KvPullOutcome | None:
+        """Why a handle's KV cannot be used as it stands (None: it may be pulled). The decode
+        servicer asks once, where the handle enters the pod, before it builds a PullFromPeer."""
+        if handle.layout != self.layout:
+            return KvPullOutcome.RECOMPUTED_LAYOUT_MISMATCH
+        if self._clock() * 1000 >= handle.lease_deadline_unix_ms:
+            return KvPullOutcome.RECOMPUTED_LEASE_EXPIRED
+        return None
+
+    # ---- scheduler side -----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not isinstance(params, PullFromPeer) or request.request_id in self._resolved:
+            return 0, False
+        handle = params.handle
+        if handle.num_tokens > num_computed_tokens:
+            return handle.num_tokens - num_computed_tokens, True
+        # The local prefix cache already has the whole prompt: nothing to read, end the hold now.
+        cached_blocks = num_computed_tokens // self.layout.block_size
+        self._stats[request.request_id] = KvPullStats(0, 0, cached_blocks, 0.0, KvPullOutcome.PREFIX_CACHE_HIT)
+        self._resolved.add(request.request_id)
+        self._release_remote(handle, request.request_id)
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        if num_external_tokens == 0:
+            return
+        self._resolved.add(request.request_id)
+        params: PullFromPeer = request.kv_transfer_params
+        handle = params.handle
+        block_size = self.layout.block_size
+        first = (handle.num_tokens - num_external_tokens) // block_size
+        last = math.ceil(handle.num_tokens / block_size)
+        self._to_post.append(
+            _Pull(
+                request_id=request.request_id,
+                handle=handle,
+                source=params.source,
+                local_block_ids=list(block_ids[first:last]),
+                remote_block_ids=list(handle.block_ids[first:last]),
+                num_cached_blocks=first,
+            )
+        )
+
+    def build_connector_meta(self, scheduler_output) -> PullMetadata:
+        pulls, self._to_post = self._to_post, []
+        return PullMetadata(requests=pulls)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
+        self._resolved.discard(request.request_id)
+        pull = self._pulls.get(request.request_id)
+        if pull is None:
+            return False, None
+        # A READ may still be writing into these blocks: free them only once it is over.
+        pull.is_aborted = True
+        return True, None
+
+    def has_pending_work(self) -> bool:
+        with self._lock:
+            if self._confirmations:
+                return True
+        return bool(self._pulls or self._landed or self._ended)
+
+    # ---- worker side --------------------------------------------------------------------------
+    def start_load_kv(self, metadata: PullMetadata) -> None:
+        for pull in metadata.requests:
+            self._post(pull)
+
+    def _post(self, pull: _Pull) -> None:
+        self._pulls[pull.request_id] = pull
+        try:
+            if not self.agent.has_peer(pull.source.agent_name):
+                self.agent.add_peer(pull.source)
+            pull.transfer = self.agent.read_blocks(
+                pull.source.agent_name,
+                pull.remote_block_ids,
+                pull.local_block_ids,
+                # No NIXL notification: with one, DONE waits for the prefill engine's next poll;
+                # ReleaseKv over gRPC is the confirmation that matters.
+                notif_msg=None,
+            )
+        except (KvTransferError, ValueError) as exc:
+            logger.warning("posting the pull of %s failed: %s", pull.request_id, exc)
+            pull.error = str(exc)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._poll_pulls()
+        self._apply_confirmations()
+        landed, self._landed = self._landed, set()
+        ended, self._ended = self._ended, set()
+        return ended or None, landed or None
+
+    def _poll_pulls(self) -> None:
+        now = time.monotonic()
+        for pull in list(self._pulls.values()):
+            if pull.is_confirming:
+                continue
+            if pull.error is None:
+                state = self.agent.poll(pull.transfer)  # a READ may have completed when posted
+                if state is TransferState.PENDING:
+                    if now - pull.transfer.started_at <= self.transfer_timeout_s:
+                        continue
+                    if not self.agent.release(pull.transfer):
+                        continue  # NIXL cannot cancel it yet: the blocks may still be written
+                    pull.error = f"pull timed out after {self.transfer_timeout_s} s"
+                else:
+                    self.agent.release(pull.transfer)
+                    if state is TransferState.ERROR:
+                        pull.error = pull.transfer.error or "transfer failed"
+            pull.is_confirming = True
+            self._release_remote(pull.handle, pull.request_id)
+
+    def on_release_result(self, request_id: str, intact: bool) -> None:
+        """ReleaseKv's answer for a pull (any thread); intact=False also when the call failed."""
+        with self._lock:
+            self._confirmations[request_id] = intact
+        self.wake()
+
+    def _apply_confirmations(self) -> None:
+        with self._lock:
+            confirmations, self._confirmations = self._confirmations, {}
+        for request_id, intact in confirmations.items():
+            pull = self._pulls.pop(request_id, None)
+            if pull is not None:
+                self._finish_pull(pull, intact)
+
+    def _finish_pull(self, pull: _Pull, intact: bool) -> None:
+        if pull.is_aborted:
+            self._ended.add(pull.request_id)
+            return
+        transfer = pull.transfer
+        arrived = pull.error is None and transfer is not None and transfer.state is TransferState.DONE
+        good = intact and arrived
+        if good:
+            outcome = KvPullOutcome.PULLED
+        elif arrived:
+            outcome = KvPullOutcome.RECOMPUTED_LEASE_EXPIRED  # bytes arrived but the hold was gone
+        else:
+            outcome = KvPullOutcome.RECOMPUTED_ERROR
+        if not good:
+            # Never decode on KV not known good: the scheduler recomputes (or fails) from these blocks.
+            self._bad_block_ids.update(pull.local_block_ids)
+        self._stats[pull.request_id] = KvPullStats(
+            num_bytes=transfer.num_bytes if good else 0,
+            num_blocks=len(pull.local_block_ids) if good else 0,
+            num_cached_blocks=pull.num_cached_blocks,
+            seconds=(transfer.seconds or 0.0) if transfer else 0.0,
+            outcome=outcome,
+        )
+        self._landed.add(pull.request_id)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        bad, self._bad_block_ids = self._bad_block_ids, set()
+        return bad
+
+    def _release_remote(self, handle: KvHandle, request_id: str) -> None:
+        if self.release_remote is None:
+            self.on_release_result(request_id, False)
+        else:
+            self.release_remote(handle, request_id)
+
+    def pop_pull_stats(self, request_id: str) -> KvPullStats | None:
+        return self._stats.pop(request_id, None)

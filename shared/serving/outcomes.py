@@ -1,0 +1,87 @@
+"""How a call ends: the named errors a pod call raises, the one table mapping each to a gRPC status
+code and a metrics outcome label, and those labels (the same for the pods and the router)."""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import grpc
+
+# Every label value `requests_total{outcome=...}` may take, pods and router alike; fixed so a bug
+# cannot explode the series count, and pre-created so a scrape shows zeros before the first request.
+OK = "ok"  # finished normally (stop, length, EOS)
+ERROR = "error"  # failed inside the service (INTERNAL, UNAVAILABLE, KV unusable under the fail policy)
+CANCELLED = "cancelled"  # the caller went away or cancelled
+INVALID = "invalid"  # the input was refused (INVALID_ARGUMENT, ALREADY_EXISTS)
+OVERLOADED = "overloaded"  # RESOURCE_EXHAUSTED
+DEADLINE_EXCEEDED = "deadline_exceeded"  # a phase or the caller's deadline ran out
+OUTCOMES = (OK, ERROR, CANCELLED, INVALID, OVERLOADED, DEADLINE_EXCEEDED)
+
+
+class CallError(Exception):
+    """An error that ends a call with the status STATUS_TABLE gives its class; the message says why."""
+
+
+class InvalidRequest(CallError, ValueError):
+    """The caller's input is unusable."""
+
+
+class DuplicateRequestId(CallError):
+    """A request with this id is already in flight on the pod."""
+
+
+class PodOverloaded(CallError):
+    """The pod already has as many requests in flight as it admits."""
+
+
+class PodUnavailable(CallError):
+    """The pod cannot take or finish the request: it is loading, shutting down, or its engine stopped."""
+
+
+class KvUnusable(CallError):
+    """The handle's KV cannot be used and the kv-load-failure policy says fail instead of recompute."""
+
+
+# The one mapping from an error to (status code, outcome label). KvUnusable is FAILED_PRECONDITION:
+# the KV the request names is not known good, and the pod's policy forbids recomputing it, so the
+# same call cannot succeed anywhere until the caller prefills afresh. UNAVAILABLE would tell the
+# router to retry on another decode pod (which would recompute, against the policy); ABORTED is for
+# concurrency conflicts.
+STATUS_TABLE: dict[type[CallError], tuple[grpc.StatusCode, str]] = {
+    InvalidRequest: (grpc.StatusCode.INVALID_ARGUMENT, INVALID),
+    DuplicateRequestId: (grpc.StatusCode.ALREADY_EXISTS, INVALID),
+    PodOverloaded: (grpc.StatusCode.RESOURCE_EXHAUSTED, OVERLOADED),
+    PodUnavailable: (grpc.StatusCode.UNAVAILABLE, ERROR),
+    KvUnusable: (grpc.StatusCode.FAILED_PRECONDITION, ERROR),
+}
+
+# The outcome label of a call that ended with a status code (the router sees codes, not errors).
+_OUTCOME_OF_CODE = {
+    grpc.StatusCode.OK: OK,
+    grpc.StatusCode.CANCELLED: CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: OVERLOADED,
+    **{code: label for code, label in STATUS_TABLE.values() if label == INVALID},
+}
+
+
+def status_of(error: CallError) -> tuple[grpc.StatusCode, str]:
+    """The status code and outcome label of a named error (its nearest class in the table)."""
+    for cls in type(error).__mro__:
+        if cls in STATUS_TABLE:
+            return STATUS_TABLE[cls]
+    raise TypeError(f"{type(error).__name__} has no entry in STATUS_TABLE")
+
+
+def outcome_of_code(code: grpc.StatusCode) -> str:
+    return _OUTCOME_OF_CODE.get(code, ERROR)
+
+
+@contextlib.contextmanager
+def invalid_on_value_error() -> Iterator[None]:
+    """Input checks (convert.*_from_proto, prompt-length checks) raise ValueError: inside this block
+    that means the caller's input is bad. Outside it a ValueError stays an internal error."""
+    try:
+        yield
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None

@@ -1,0 +1,91 @@
+"""Flags generated from config fields: every setting declared once, every existing flag name kept, the
+pods' defaults unchanged, and a new field becomes a flag by itself."""
+import argparse
+from dataclasses import dataclass, field
+
+import pytest
+
+from decode_svc.flags import build_arg_parser as decode_parser, pod_config as decode_config, prefill_client_config
+from prefill_svc.flags import build_arg_parser as prefill_parser, pod_config as prefill_config
+from router.flags import RouterConfig, build_arg_parser as router_parser
+from shared.engine.kv_transfer.connector import KVLoadFailurePolicy
+from shared.serving.pod_runtime import PodConfig
+from shared.serving.settings import add_flags, config_from_args, setting
+
+POD_FLAGS = [
+    "--host", "--port", "--metrics-port", "--otlp-endpoint", "--otel-sampling-ratio", "--model", "--dtype", "--seed",
+    "--block-size", "--num-blocks", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
+    "--no-prefix-caching", "--device", "--num-threads", "--max-requests-in-flight", "--grace-seconds",
+]
+ROUTER_FLAGS = [
+    "--host", "--port", "--prefill", "--decode", "--policy", "--metrics-port", "--otlp-endpoint", "--tokenizer",
+    "--max-prefill-retries", "--max-decode-retries", "--health-interval", "--resolve-interval", "--request-timeout",
+    "--grace-seconds",
+]
+
+
+def _flags(parser: argparse.ArgumentParser) -> set[str]:
+    return {flag for action in parser._actions for flag in action.option_strings}
+
+
+def test_every_existing_flag_name_is_kept_and_roles_get_only_their_own():
+    prefill, decode = _flags(prefill_parser()), _flags(decode_parser())
+    assert set(POD_FLAGS) <= prefill and set(POD_FLAGS) <= decode
+    assert {"--lease-s", "--advertise-address"} <= prefill and "--kv-load-failure-policy" not in prefill
+    assert "--kv-load-failure-policy" in decode and "--lease-s" not in decode
+    assert set(ROUTER_FLAGS) <= _flags(router_parser())
+
+
+def test_the_pods_defaults_are_the_serving_defaults():
+    config = prefill_config(prefill_parser().parse_args([]))
+    assert config == PodConfig()
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (128, 4096)
+    assert (config.scheduler.max_model_len, config.cache.block_size, config.cache.num_blocks) == (2048, 16, 4096)
+    assert config.cache.enable_prefix_caching and config.num_threads is None
+
+
+def test_flags_land_in_the_composed_configs():
+    args = decode_parser().parse_args([
+        "--num-blocks", "64", "--max-num-batched-tokens", "512", "--max-model-len", "300", "--no-prefix-caching",
+        "--kv-load-failure-policy", "fail", "--num-threads", "2", "--prefill-rpc-timeout", "1.5",
+    ])
+    config = decode_config(args)
+    assert (config.cache.num_blocks, config.cache.enable_prefix_caching) == (64, False)
+    assert (config.scheduler.max_num_batched_tokens, config.scheduler.max_model_len) == (512, 300)
+    assert config.scheduler.max_num_seqs == 128  # untouched settings keep the serving default
+    assert config.kv_load_failure_policy is KVLoadFailurePolicy.FAIL and config.num_threads == 2
+    assert prefill_client_config(args).prefill_rpc_timeout_s == 1.5
+    with pytest.raises(ValueError, match="num_blocks"):
+        decode_config(decode_parser().parse_args(["--num-blocks", "1"]))
+
+
+def test_router_flags_build_one_composed_config():
+    args = router_parser().parse_args([
+        "--prefill", "a:1", "--decode", "b:2", "--health-interval", "0.5", "--probe-timeout", "0.25",
+        "--prefill-rpc-timeout", "3", "--request-timeout", "30", "--tokenizer", "",
+    ])
+    config = RouterConfig.from_args(args)
+    pool = config.pool
+    assert (pool.health_interval_s, pool.probe_timeout_s, pool.resolve_interval_s) == (0.5, 0.25, 10.0)
+    assert config.prefill_client.prefill_rpc_timeout_s == 3.0
+    assert (config.request_timeout_s, config.tokenizer_path) == (30.0, None)
+    with pytest.raises(ValueError, match="health_interval_s"):
+        RouterConfig.from_args(
+            router_parser().parse_args(["--prefill", "a:1", "--decode", "b:2", "--health-interval", "0"])
+        )
+
+
+def test_a_new_field_is_a_new_flag():
+    @dataclass(frozen=True)
+    class Extended:
+        drain_grace_s: float = field(default=2.0, metadata=setting("seconds to drain", flag="--drain-grace"))
+        policy: KVLoadFailurePolicy = field(default=KVLoadFailurePolicy.RECOMPUTE, metadata=setting("policy"))
+        not_a_flag: int = 7
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, Extended)
+    assert {"--drain-grace", "--policy"} <= _flags(parser) and "--not-a-flag" not in _flags(parser)
+    config = config_from_args(Extended, parser.parse_args(["--drain-grace", "4", "--policy", "fail"]))
+    assert config == Extended(drain_grace_s=4.0, policy=KVLoadFailurePolicy.FAIL)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--policy", "sometimes"])
