@@ -23,7 +23,7 @@ IGNORED = shutil.ignore_patterns(".git", "__pycache__", "build", "*.egg-info", "
                                  ".pytest_cache", "pdserve-logs", "docs", "benchmarks")
 KERNEL_LOAD_LIMIT_S = 2.0
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 LOAD_SCRIPT = """
 import json, logging, time

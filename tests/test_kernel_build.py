@@ -16,6 +16,8 @@ from shared.engine.model import kernel_build
 
 REPO = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.e2e  # lock holders and a kernel build run as processes
+
 HOLD_SCRIPT = """
 import fcntl, sys, time
 handle = open(sys.argv[1], "a")

@@ -28,6 +28,7 @@ def _server(grace_seconds: float) -> GrpcServer:
     return server
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(30)
 def test_liveness_is_serving_while_not_ready_and_while_draining():
     async def scenario():
@@ -51,6 +52,7 @@ def test_liveness_is_serving_while_not_ready_and_while_draining():
     asyncio.run(scenario())
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(30)
 def test_callbacks_and_stop_share_one_grace_deadline():
     async def scenario():

@@ -26,7 +26,7 @@ KV_PORTS = (20000, 20009)
 POD_ARGS = ["--model", "tiny", "--num-blocks", "256", "--max-model-len", "1024", "--num-threads", "1",
             "--metrics-port", str(METRICS_PORT), "--kv-port-range", f"{KV_PORTS[0]}-{KV_PORTS[1]}"]
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 
 def _why_not_runnable() -> str | None:
