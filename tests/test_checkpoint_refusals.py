@@ -91,12 +91,21 @@ def test_generation_config_adds_eos_ids_and_sampling_defaults(checkpoint, free_r
 
 
 @pytest.mark.timeout(60, method="thread")
-def test_prefill_sees_every_eos_id_for_token_one():
-    from prefill_svc.servicer import first_token_finish_reason
+def test_prefill_sees_every_eos_id_for_token_one(checkpoint, free_run, tmp_path):
+    """A producer whose token 1 is a further EOS id hands nothing off: the request ends with stop."""
+    from loopback_connector import LoopbackConnector, LoopbackKVStore
+    from shared.engine.kv_transfer.connector import KVRole
+    from shared.engine.kv_transfer.handoff import HoldForPeer
+    from shared.engine.request import Request
 
-    params = SamplingParams(max_tokens=8)
-    assert first_token_finish_reason(7, params, (2, 7), 4, 64).value == "stop"
-    assert first_token_finish_reason(7, SamplingParams(max_tokens=8, ignore_eos=True), (2, 7), 4, 64) is None
+    never = next(t for t in range(SMALL.vocab_size) if t not in free_run)
+    path = _with_config(checkpoint, tmp_path / "eos-first", eos_token_id=[never, free_run[0]])
+    connector = LoopbackConnector(KVRole.PRODUCER, LoopbackKVStore(), "prefill", block_size=16)
+    engine = LLMEngine(path, SchedulerConfig(max_model_len=256), CacheConfig(block_size=16, num_blocks=64),
+                       connector=connector)
+    engine.add_request(Request("r", PROMPT, SamplingParams(max_tokens=8), None, kv_transfer_params=HoldForPeer()))
+    finals = [out for _ in range(4) for out in engine.step() if out.finished]
+    assert [(o.new_token_ids, o.finish_reason.value, o.kv_handle) for o in finals] == [([free_run[0]], "stop", None)]
 
 
 # ---- the fidelity guard ---------------------------------------------------------------------------

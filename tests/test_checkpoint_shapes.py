@@ -15,7 +15,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from shared.engine.kv_transfer.connector import KVRole  # noqa: E402
-from shared.engine.kv_transfer.loopback import LoopbackConnector, LoopbackKVStore  # noqa: E402
+from shared.engine.kv_transfer.handoff import HoldForPeer  # noqa: E402
+from loopback_connector import LoopbackConnector, LoopbackKVStore  # noqa: E402
 from shared.engine.llm_engine import LLMEngine  # noqa: E402
 from shared.engine.model import attention  # noqa: E402
 from shared.engine.model.loader import random_model, save_pretrained  # noqa: E402
@@ -130,12 +131,12 @@ def test_sliding_window_across_a_prefill_decode_handoff(checkpoints, name):
     prompts = PROMPTS[2:]  # all longer than the window
     for i, prompt in enumerate(prompts):
         producer.add_request(Request(f"p{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True), None,
-                                     kv_transfer_params={"do_remote_decode": True}))
+                                     kv_transfer_params=HoldForPeer()))
     handles = {}
     while producer.has_unfinished_requests():
         for out in producer.step():
             if out.finished:
-                handles[out.request_id] = (out.new_token_ids[0], out.kv_transfer_params)
+                handles[out.request_id] = (out.new_token_ids[0], out.kv_handle)
     tokens = {}
     for i, prompt in enumerate(prompts):
         first, handle = handles[f"p{i}"]
