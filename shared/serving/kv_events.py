@@ -30,6 +30,8 @@ class _Resync:
 
 
 _RESYNC = _Resync()
+# Queued at shutdown: the subscription ends (an open stream would hold the server's stop for its grace).
+_END = object()
 
 
 class _Subscriber:
@@ -81,6 +83,8 @@ class KvEventFeed:
                 yield update
             while True:
                 item = await subscriber.queue.get()
+                if item is _END:
+                    return
                 if isinstance(item, _Resync):
                     self._subscribers.discard(subscriber)
                     hashes = await self._attach_with_snapshot(subscriber)
@@ -115,6 +119,11 @@ class KvEventFeed:
         if self._flusher is None:
             self._flusher = asyncio.ensure_future(self._flush_forever())
         return hashes
+
+    def close(self) -> None:
+        """End every subscription (the pod shuts down)."""
+        for subscriber in self._subscribers:
+            subscriber.queue.put_nowait(_END)
 
     def _unsubscribe(self, subscriber: _Subscriber) -> None:
         self._subscribers.discard(subscriber)
@@ -172,6 +181,10 @@ class KvEventServicer(PodServicer, kv_events_pb2_grpc.KvEventServiceServicer):
     def attach(self, pod) -> None:
         super().attach(pod)
         self.feed = KvEventFeed(pod)
+
+    async def close(self) -> None:
+        if self.feed is not None:
+            self.feed.close()
 
     async def SubscribeKvEvents(self, request, context):
         await self.require_pod(context)
