@@ -116,8 +116,9 @@ class RouterConfig:
     max_prefill_retries: int = field(default=2, metadata=setting("prefill attempts on other workers after a failure"))
     max_decode_retries: int = field(default=2, metadata=setting("decode re-issues on other workers after a failure"))
     stall_timeout_s: float = field(default=5.0, metadata=setting(
-        "seconds a decode pod may go without sending a token (a prefill pod without answering, while it "
-        "fails its health probes) before the router treats it as frozen and fails the request over",
+        "seconds a decode pod may go without sending a token (before its first, which waits for the KV "
+        "pull, and for a prefill pod's answer: while it also fails its health probes) before the router "
+        "treats it as frozen and fails the request over",
         flag="--stall-timeout",
     ))
     decode_admit_timeout_s: float = field(default=10.0, metadata=setting(

@@ -390,7 +390,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             try:
                 is_first = True
                 while True:
-                    response = await self._next_message(call, address, deadline)
+                    response = await self._next_message(call, address, deadline, is_first)
                     if response is grpc.aio.EOF:
                         break
                     decoded = self._decode_chunk(address, response)
@@ -409,16 +409,24 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 call.cancel()  # reaches the decode pod when the client went away
         raise RouteError(grpc.StatusCode.INTERNAL, f"decode worker {address} ended the stream without a finish reason")
 
-    async def _next_message(self, call, address: str, deadline):
+    async def _next_message(self, call, address: str, deadline, is_first: bool):
         """The call's next message (or EOF); Stalled when the pod sends nothing for stall_timeout_s
-        while the client's deadline still has more time than that."""
-        remaining = deadline.remaining()
-        if remaining is not None and remaining <= self._config.stall_timeout_s:
-            return await call.read()
+        while the client's deadline has longer to run. The first message waits for the KV pull, so
+        before it a pod that still passes its health probes is only slow, not frozen."""
+        read = asyncio.ensure_future(call.read())
         try:
-            return await asyncio.wait_for(call.read(), self._config.stall_timeout_s)
-        except asyncio.TimeoutError:
-            raise Stalled(f"no token from {address} for {self._config.stall_timeout_s} s") from None
+            while True:
+                remaining = deadline.remaining()
+                if remaining is not None and remaining <= self._config.stall_timeout_s:
+                    return await read  # the call's own deadline ends it
+                done, _ = await asyncio.wait({read}, timeout=self._config.stall_timeout_s)
+                if done:
+                    return read.result()
+                if not is_first or not self._decode.is_healthy(address):
+                    raise Stalled(f"no token from {address} for {self._config.stall_timeout_s} s")
+        finally:
+            if not read.done():
+                read.cancel()
 
     @staticmethod
     def _decode_chunk(address: str, response) -> wire.DecodeChunk:
