@@ -16,6 +16,8 @@ from shared.engine.model.model_config import PRESETS, ModelArchConfig, preset
 from shared.engine.model.llama import LlamaModel
 
 INIT_STD = 0.02
+# The presets' own tokenizers (scripts/make_preset_tokenizers.py), so the built-in models take text.
+PRESET_TOKENIZERS = Path(__file__).resolve().parent / "presets"
 
 
 @dataclass
@@ -29,7 +31,8 @@ def load_model(source: str | Path, dtype: str | None = None, seed: int = 0) -> L
     """source: a preset name ("tiny", "100m") for random weights from seed, or an HF model directory."""
     if isinstance(source, str) and source in PRESETS:
         config = preset(source, dtype or "float32")
-        return LoadedModel(config=config, model=random_model(config, seed), tokenizer=None)
+        tokenizer = load_tokenizer(PRESET_TOKENIZERS / source)
+        return LoadedModel(config=config, model=random_model(config, seed), tokenizer=tokenizer)
     path = Path(source)
     if not path.is_dir():
         raise ValueError(f"model {str(source)!r} is neither a built-in ({sorted(PRESETS)}) nor a directory")
