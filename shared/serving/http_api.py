@@ -219,7 +219,10 @@ class HttpFront:
             prompt = oai.completion_prompt(body)
         options = oai.stream_options_from_openai(body)
         sampling = convert.sampling_params_to_proto(oai.sampling_params_from_openai(body))
-        message = generate_pb2.GenerateRequest(sampling=sampling)
+        request_id = body.get("request_id") or ""
+        if not isinstance(request_id, str):
+            raise InvalidRequest(f"request_id must be a string, got {request_id!r}")
+        message = generate_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
         if isinstance(prompt, str):
             message.text = prompt
         else:

@@ -33,6 +33,8 @@ def _kernel() -> Callable[..., torch.Tensor] | None:
     try:
         from torch.utils import cpp_extension
 
+        # Without this the first start is silent for about a minute while the compiler runs.
+        logger.info("loading the paged decode kernel (the first start on a machine compiles it: about a minute)")
         cpp_extension.load(name="pdserve_paged_decode", sources=list(_SOURCES), extra_cflags=list(_CFLAGS),
                            extra_ldflags=list(_LDFLAGS), is_python_module=False, verbose=False)
         op = torch.ops.pdserve_paged_decode.paged_decode_attention
