@@ -69,6 +69,7 @@ async def run(config: RouterConfig, *, env: dict[str, str], codec: TextCodec | N
         front = HttpFront(
             servicer.Generate, model_name=served_model_name(config), codec=lambda: codec,
             registry=registry, is_ready=lambda: prefill.has_healthy and decode.has_healthy,
+            max_model_len=lambda: servicer.max_model_len,
         )
         http = HttpServer(front.app, config.host, config.http.http_port)
         server.on_shutdown(http.stop)

@@ -248,3 +248,15 @@ def test_split_stream_hang_up_frees_blocks_on_both_pods(split_cluster, split_cli
     _wait_pods_idle(split_cluster)
     # The hang-up reached the decode pod as a cancellation (not a finished request).
     assert _num_cancelled(decode_metrics) == cancelled_before + 1
+
+
+@pytest.mark.timeout(60)
+def test_split_router_refuses_a_prompt_beyond_the_model_length_without_forwarding_it(split_cluster, split_client):
+    prefill_metrics = split_cluster.by_name("prefill-0").metrics_url
+    invalid_before = _count(urllib.request.urlopen(prefill_metrics, timeout=5).read().decode(), "invalid")
+    with pytest.raises(openai.BadRequestError) as info:
+        split_client.completions.create(model="tiny", prompt=[5] * 2100, max_tokens=4)
+    # The limit came from the pods' load reports (the tiny preset's 2048 positions).
+    assert "the model's maximum length is 2048" in info.value.body["message"]
+    assert _count(urllib.request.urlopen(prefill_metrics, timeout=5).read().decode(), "invalid") == invalid_before
+    assert split_client.models.list().data[0].max_model_len == 2048
