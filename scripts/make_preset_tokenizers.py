@@ -13,9 +13,9 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from shared.engine.model.model_config import PRESETS
+from shared.engine.model.preset_files import PRESET_TOKENIZERS as OUT
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "shared" / "engine" / "model" / "presets"
 # Ids 0..2 match the presets' pad/bos/eos ids (model_config: bos 1, eos 2).
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (

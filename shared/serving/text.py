@@ -10,8 +10,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from shared.engine.model.loader import PRESET_TOKENIZERS
-from shared.engine.model.model_config import PRESETS
+from shared.engine.model.preset_files import preset_tokenizer_dir
 from shared.serving.chat_template import ChatTemplate
 
 logger = logging.getLogger(__name__)
@@ -26,7 +25,7 @@ class TextCodec:
     def from_path(cls, path: str) -> "TextCodec":
         """Loads a tokenizer.json, the tokenizer.json inside a model directory (with the chat template of
         its tokenizer_config.json), or a built-in preset's tokenizer by the preset's name."""
-        file = PRESET_TOKENIZERS / path if path in PRESETS else Path(path)
+        file = preset_tokenizer_dir(path) or Path(path)
         if file.is_dir():
             file = file / "tokenizer.json"
         if not file.is_file():

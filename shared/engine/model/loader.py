@@ -14,10 +14,9 @@ from safetensors.torch import save_file
 
 from shared.engine.model.model_config import PRESETS, ModelArchConfig, preset
 from shared.engine.model.llama import LlamaModel
+from shared.engine.model.preset_files import preset_tokenizer_dir
 
 INIT_STD = 0.02
-# The presets' own tokenizers (scripts/make_preset_tokenizers.py), so the built-in models take text.
-PRESET_TOKENIZERS = Path(__file__).resolve().parent / "presets"
 
 
 @dataclass
@@ -31,7 +30,9 @@ def load_model(source: str | Path, dtype: str | None = None, seed: int = 0) -> L
     """source: a preset name ("tiny", "100m") for random weights from seed, or an HF model directory."""
     if isinstance(source, str) and source in PRESETS:
         config = preset(source, dtype or "float32")
-        tokenizer = load_tokenizer(PRESET_TOKENIZERS / source)
+        # The presets ship their own tokenizer, so the built-in models take text.
+        directory = preset_tokenizer_dir(source)
+        tokenizer = load_tokenizer(directory) if directory is not None else None
         return LoadedModel(config=config, model=random_model(config, seed), tokenizer=tokenizer)
     path = Path(source)
     if not path.is_dir():
