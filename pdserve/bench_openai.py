@@ -1,12 +1,13 @@
 """The bench's OpenAI backend: the same workload through the HTTP API's streamed /v1/completions (token-id
-prompts, SSE read with httpx), yielding chunks shaped like the gRPC client's so the figures compare."""
+prompts, SSE read with aiohttp, whose C parser keeps the client's own cost near the gRPC client's),
+yielding chunks shaped like the gRPC client's so the figures compare."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
-import httpx
+import aiohttp
 
 from shared.engine.request import FinishReason
 
@@ -30,14 +31,15 @@ class OpenAiBenchClient:
     def __init__(self, base_url: str, model: str | None = None):
         self._url = base_url.rstrip("/") + "/completions"
         self._model = model
-        # One pooled connection per request in flight, like the gRPC channel's streams.
-        self._http = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None))
+        self._http: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "OpenAiBenchClient":
+        # One pooled connection per request in flight, like the gRPC channel's streams.
+        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self._http.aclose()
+        await self._http.close()
 
     async def generate(self, prompt: Sequence[int], *, request_id: str, timeout: float | None, max_tokens: int,
                        ignore_eos: bool, temperature: float) -> AsyncIterator[StreamedChunk]:
@@ -50,14 +52,15 @@ class OpenAiBenchClient:
             body["model"] = self._model
         num_tokens = 0
         try:
-            async with self._http.stream("POST", self._url, json=body, timeout=timeout) as response:
-                if response.status_code != 200:
-                    text = (await response.aread()).decode(errors="replace")
-                    raise CallFailed(f"HTTP {response.status_code}: {text[:300]}")
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+            async with self._http.post(self._url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+                if response.status != 200:
+                    text = await response.text(errors="replace")
+                    raise CallFailed(f"HTTP {response.status}: {text[:300]}")
+                async for raw in response.content:
+                    line = raw.rstrip(b"\r\n")
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
                         continue
-                    event = json.loads(line[len("data: "):])
+                    event = json.loads(line[len(b"data: "):])
                     if "error" in event:
                         raise CallFailed(f"{event['error'].get('code')}: {event['error'].get('message')}")
                     if not event["choices"]:
@@ -66,5 +69,5 @@ class OpenAiBenchClient:
                     new, num_tokens = total - num_tokens, total
                     finish = event["choices"][0]["finish_reason"]
                     yield StreamedChunk([0] * new, _FINISH.get(finish) if finish else None)
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, TimeoutError) as exc:
             raise CallFailed(f"{type(exc).__name__}: {exc}") from None
