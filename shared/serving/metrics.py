@@ -60,6 +60,14 @@ class ServiceMetrics:
             "lease_expiries", "KV holds freed because their lease expired before release.",
             namespace=NAMESPACE, registry=r,
         )
+        self.prefix_cache_queried_tokens = Counter(
+            "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
+            namespace=NAMESPACE, registry=r,
+        )
+        self.prefix_cache_hit_tokens = Counter(
+            "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (not computed or pulled again).",
+            namespace=NAMESPACE, registry=r,
+        )
         self.requests = Counter(
             "requests", "Finished requests by outcome.", ["outcome"],
             namespace=NAMESPACE, registry=r,

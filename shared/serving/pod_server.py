@@ -56,12 +56,17 @@ def pod_config_from_args(args: argparse.Namespace) -> PodConfig:
 
 
 async def refresh_gauges(pod: Pod, metrics: ServiceMetrics) -> None:
-    num_lease_expiries = 0
+    num_lease_expiries = num_queried = num_hit = 0
     while True:
         if pod.connector is not None:
             # The connector counts on the engine thread; the counter catches up here.
             metrics.lease_expiries.inc(pod.connector.num_lease_expiries - num_lease_expiries)
             num_lease_expiries = pod.connector.num_lease_expiries
+        counters = pod.engine.counters  # engine-thread totals, caught up the same way
+        queried, hit = counters.num_prefix_queried_tokens, counters.num_prefix_hit_tokens
+        metrics.prefix_cache_queried_tokens.inc(queried - num_queried)
+        metrics.prefix_cache_hit_tokens.inc(hit - num_hit)
+        num_queried, num_hit = queried, hit
         load = pod.load_report()
         metrics.set_queue(num_waiting=load.num_waiting, num_running=load.num_running)
         metrics.set_kv_blocks(

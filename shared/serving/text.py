@@ -1,6 +1,6 @@
 """Text <-> token ids for services that take text: encodes text prompts, renders chat messages with the
-checkpoint's chat template, and turns streamed token ids into text incrementally (a character split across
-tokens is emitted once it is complete)."""
+checkpoint's chat template, and turns streamed token ids into text incrementally (a character split across tokens is emitted once it is complete, or as U+FFFD at the end of
+the stream when it never completes, as transformers' decode() shows it)."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from shared.engine.model.preset_files import preset_tokenizer_dir
+from shared.engine.tokenizer import load_tokenizer
 from shared.serving.chat_template import ChatTemplate
 
 logger = logging.getLogger(__name__)
@@ -23,18 +24,11 @@ class TextCodec:
 
     @classmethod
     def from_path(cls, path: str) -> "TextCodec":
-        """Loads a tokenizer.json, the tokenizer.json inside a model directory (with the chat template of
-        its tokenizer_config.json), or a built-in preset's tokenizer by the preset's name."""
-        file = preset_tokenizer_dir(path) or Path(path)
-        if file.is_dir():
-            file = file / "tokenizer.json"
-        if not file.is_file():
-            raise ValueError(f"tokenizer file not found: {file}")
-        try:
-            tokenizer = Tokenizer.from_file(str(file))
-        except Exception as exc:  # the tokenizers library raises its own exception types
-            raise ValueError(f"cannot load tokenizer {file}: {exc}") from None
-        return cls(tokenizer, _chat_template_beside(file))
+        """Loads a tokenizer.json, the tokenizer.json inside a model directory (with the chat template of its
+        tokenizer_config.json), or a built-in preset's by the preset's name (ValueError if absent)."""
+        location = preset_tokenizer_dir(path) or Path(path)
+        directory = location if location.is_dir() else location.parent
+        return cls(load_tokenizer(location), _chat_template_in(directory))
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -60,9 +54,9 @@ class TextCodec:
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-def _chat_template_beside(tokenizer_file: Path) -> ChatTemplate | None:
-    """The chat template of the tokenizer_config.json next to tokenizer.json, when there is one."""
-    config_file = tokenizer_file.parent / "tokenizer_config.json"
+def _chat_template_in(directory: Path) -> ChatTemplate | None:
+    """The chat template of the directory's tokenizer_config.json, when it has one."""
+    config_file = directory / "tokenizer_config.json"
     if not config_file.is_file():
         return None
     try:
@@ -78,8 +72,12 @@ class TextStream:
     def __init__(self, tokenizer: Tokenizer):
         self._tokenizer = tokenizer
         self._stream = DecodeStream(skip_special_tokens=True)
+        self._token_ids: list[int] = []
+        self._pieces: list[str] = []  # text emitted so far
 
-    def push(self, token_ids: list[int]) -> str:
+    def push(self, token_ids: list[int], final: bool = False) -> str:
+        """The text these tokens complete. final: the stream ends here, so text still held back for
+        bytes that never came (an incomplete UTF-8 character) goes out as decode() renders it."""
         pieces = []
         for token_id in token_ids:
             try:
@@ -89,4 +87,17 @@ class TextStream:
                 piece = None
             if piece:
                 pieces.append(piece)
-        return "".join(pieces)
+        self._token_ids.extend(token_ids)
+        if final:
+            pieces.append(self._held_back(pieces))
+        text = "".join(pieces)
+        self._pieces.append(text)
+        return text
+
+    def _held_back(self, pieces: list[str]) -> str:
+        emitted = "".join(self._pieces + pieces)
+        full = self._tokenizer.decode(self._token_ids, skip_special_tokens=True)
+        if not full.startswith(emitted):  # a decoder whose stream and whole decode differ: keep the stream's
+            logger.debug("streamed text is not a prefix of the decoded text; nothing added at the end")
+            return ""
+        return full[len(emitted):]
