@@ -21,6 +21,7 @@ import numpy as np
 from pdserve.bench_openai import CallFailed, OpenAiBenchClient
 from pdserve.bench_stats import RequestRecord, Slo, build_report, markdown_table, request_rows, token_timeline
 from pdserve.client import AsyncPdserveClient
+from pdserve.launcher import DEFAULT_PORTS
 
 # Token ids below this are left out of prompts (the usual pad/bos/eos slots).
 FIRST_PROMPT_TOKEN_ID = 3
@@ -183,7 +184,9 @@ async def warm_up(client: AsyncPdserveClient, config: WorkloadConfig, num_warmup
 
 
 BACKENDS = ("grpc", "openai")
-DEFAULT_TARGETS = {"grpc": "127.0.0.1:50051", "openai": "http://127.0.0.1:8000/v1"}
+DEFAULT_TARGETS = {
+    "grpc": f"127.0.0.1:{DEFAULT_PORTS.router}", "openai": f"http://127.0.0.1:{DEFAULT_PORTS.http}/v1",
+}
 
 
 def bench_client(backend: str, target: str):
@@ -205,8 +208,8 @@ async def run_benchmark(target: str, config: WorkloadConfig, *, slo: Slo = Slo()
             client, requests, label=label, request_timeout_s=request_timeout_s, progress=progress,
             id_prefix=f"{label}-{time.time_ns()}",
         )
-    report = {"label": label, "target": target, "backend": backend, "workload": config.to_json(), **build_report(records, duration, slo),
-              "load_average_before": load_before, "load_average_after": os.getloadavg()}
+    report = {"label": label, "target": target, "backend": backend, "workload": config.to_json(),
+              **build_report(records, duration, slo), "load_average_before": load_before, "load_average_after": os.getloadavg()}
     report["requests"] = request_rows(records)
     return report
 

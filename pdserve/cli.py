@@ -12,7 +12,7 @@ import traceback
 from importlib import metadata
 from pathlib import Path
 
-from pdserve.launcher import ClusterPorts
+from pdserve.launcher import DEFAULT_PORTS, ClusterPorts
 
 # Subcommands that hand their argv to a service's own composition root.
 SERVICE_MODULES = {
@@ -22,9 +22,6 @@ SERVICE_MODULES = {
     "colocated": "colocated_svc.__main__",
 }
 DEMO_PROMPT = "The quick brown fox"
-# `pdserve up` binds these (documented in the README); `generate`, `bench` and the README's snippets
-# default to them.
-DEFAULT_PORTS = ClusterPorts(router=50051, http=8000, prefill=50052, decode=50053)
 DEFAULT_TARGET = f"127.0.0.1:{DEFAULT_PORTS.router}"
 
 

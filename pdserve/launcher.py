@@ -123,6 +123,11 @@ class ClusterPorts:
     decode: int | None = None
 
 
+# `pdserve up` binds these (documented in the README); `generate`, `bench` and the README's snippets
+# default to them.
+DEFAULT_PORTS = ClusterPorts(router=50051, http=8000, prefill=50052, decode=50053)
+
+
 @dataclass
 class LocalCluster:
     """Router + prefill pods + decode pods on 127.0.0.1, each its own process."""
