@@ -45,7 +45,8 @@ async def run(config: RouterConfig, *, env: dict[str, str], codec: TextCodec | N
     )
 
     async def update_health() -> None:
-        # The router can serve only when both tiers have at least one healthy worker.
+        # Readiness: the router can serve only when both tiers have at least one healthy worker. Liveness
+        # (GrpcServer's "liveness" service) does not follow the tiers: a router waiting for them still works.
         if server.is_started:
             await server.set_serving(prefill.has_healthy and decode.has_healthy)
         if subscriptions is not None:

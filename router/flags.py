@@ -106,7 +106,7 @@ class RouterConfig:
     ))
     host: str = field(default="127.0.0.1", metadata=setting("address to listen on"))
     port: int = field(default=50051, metadata=setting("port to listen on (0 picks one)"))
-    policy: str = field(default="least-loaded", metadata=setting("how a worker is picked", choices=POLICIES))
+    policy: str = field(default="kv-aware", metadata=setting("how a worker is picked: by cached prefix and load (kv-aware), by load alone, or in turn", choices=POLICIES))
     metrics_port: int | None = field(default=None, metadata=setting("Prometheus /metrics port (off when unset)"))
     otlp_endpoint: str | None = field(default=None, metadata=setting(
         "OTLP gRPC endpoint for traces, e.g. localhost:4317", parse=_none_if_empty

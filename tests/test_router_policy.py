@@ -145,7 +145,10 @@ def test_kv_routing_flags():
     assert config.kv_weights == policy.KvWeights(2.0, 10.0)
     assert config.disaggregation == policy.DisaggregationRule(48, 3)
     assert config.kv_index_max_blocks == 1000 and config.needs_kv_index
-    plain = RouterConfig.from_args(build_arg_parser().parse_args(["--prefill", "a:1", "--decode", "b:1"]))
+    default = RouterConfig.from_args(build_arg_parser().parse_args(["--prefill", "a:1", "--decode", "b:1"]))
+    assert default.policy == "kv-aware" and default.needs_kv_index
+    plain = RouterConfig.from_args(build_arg_parser().parse_args(
+        ["--prefill", "a:1", "--decode", "b:1", "--policy", "least-loaded"]))
     assert not plain.needs_kv_index
     with pytest.raises(ValueError, match="max_local_prefill_tokens must be >= 0"):
         RouterConfig(prefill=plain.prefill, decode=plain.decode, disaggregation=policy.DisaggregationRule(-1, 0))

@@ -52,6 +52,7 @@ class SpanAttr:
     KV_BLOCKS = "pdserve.kv.num_blocks"
     KV_GBPS = "pdserve.kv.gb_per_s"
     KV_OUTCOME = "pdserve.kv.outcome"
+    KV_TRANSPORT = "pdserve.kv.transport"  # the UCX transport of a pull (tcp, rdma, cma, cuda_ipc)
     KV_ENGINE_ID = "pdserve.kv.engine_id"
 
 
