@@ -84,8 +84,12 @@ class InProcessContext:
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - self._loop.time())
 
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
         raise CallEnded(code, details)
+
+    def add_done_callback(self, callback) -> None:
+        """Not needed in process: a call here ends when its generator is closed, and the servicers'
+        own cleanup runs then (the callbacks cover a transport ending a call the generator missed)."""
 
     def invocation_metadata(self) -> tuple:
         return ()
