@@ -140,3 +140,59 @@ def test_bad_options_are_rejected():
         ServerOptions(port=70000)
     with pytest.raises(ValueError, match="grace_seconds"):
         ServerOptions(grace_seconds=-1)
+
+
+# Field 1, length-delimited, claims 5 bytes but carries 2: no protobuf message parses from this.
+GARBAGE = b"\x0a\x05ab"
+# (method path, streams its response, streams its request)
+SERVER_METHODS = [
+    (f"/{SERVICE}/Generate", True, False),
+    ("/grpc.health.v1.Health/Check", False, False),
+    ("/grpc.health.v1.Health/Watch", True, False),
+    ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", True, True),
+]
+
+
+async def call_with_raw_bytes(channel: grpc.aio.Channel, method: str, is_stream_response: bool,
+                              is_stream_request: bool, data: bytes) -> grpc.aio.AioRpcError:
+    """Send data as the request bytes, bypassing any serializer; the error the call ends with."""
+    identity = dict(request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)
+    try:
+        if is_stream_request:
+            call = channel.stream_stream(method, **identity)(iter([data]), timeout=5)
+            async for _ in call:
+                pass
+        elif is_stream_response:
+            async for _ in channel.unary_stream(method, **identity)(data, timeout=5):
+                pass
+        else:
+            await channel.unary_unary(method, **identity)(data, timeout=5)
+    except grpc.aio.AioRpcError as error:
+        return error
+    raise AssertionError(f"{method} accepted malformed bytes")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("method,is_stream_response,is_stream_request", SERVER_METHODS)
+def test_malformed_bytes_get_invalid_argument_and_one_log_line(method, is_stream_response, is_stream_request,
+                                                                 caplog):
+    async def scenario():
+        server = make_server()
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                with caplog.at_level("WARNING", logger="shared.serving.grpc_server"):
+                    error = await call_with_raw_bytes(
+                        channel, method, is_stream_response, is_stream_request, GARBAGE
+                    )
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+                assert "malformed request message" in error.details() and method in error.details()
+                # The server still answers well-formed calls.
+                health = health_pb2_grpc.HealthStub(channel)
+                assert await check(health) == NOT_SERVING
+        finally:
+            await server.stop(0)
+
+    asyncio.run(scenario())
+    logged = [r for r in caplog.records if r.name == "shared.serving.grpc_server" and "malformed" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is None
