@@ -61,25 +61,27 @@ class KvSourceCache:
         self._sources[handle.engine_id] = described.source
         return described.source
 
-    def release_from_engine_thread(self, loop: asyncio.AbstractEventLoop, handle: KvHandle, request_id: str) -> None:
+    def release_from_engine_thread(
+        self, loop: asyncio.AbstractEventLoop, handle: KvHandle, request_id: str, prompt_digest: bytes
+    ) -> None:
         """The connector's release_remote hook: called on the engine thread, runs on the event loop."""
-        loop.call_soon_threadsafe(self._start_release, handle, request_id, True)
+        loop.call_soon_threadsafe(self._start_release, handle, request_id, prompt_digest, True)
 
     def release_quietly(self, handle: KvHandle, request_id: str) -> None:
-        """End a hold whose data will not be used (no answer needed)."""
-        self._start_release(handle, request_id, False)
+        """Abandon a hold whose data will not be used (no digest, no answer needed)."""
+        self._start_release(handle, request_id, b"", False)
 
-    def _start_release(self, handle: KvHandle, request_id: str, report: bool) -> None:
-        task = asyncio.ensure_future(self._release(handle, request_id, report))
+    def _start_release(self, handle: KvHandle, request_id: str, prompt_digest: bytes, report: bool) -> None:
+        task = asyncio.ensure_future(self._release(handle, request_id, prompt_digest, report))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _release(self, handle: KvHandle, request_id: str, report: bool) -> None:
+    async def _release(self, handle: KvHandle, request_id: str, prompt_digest: bytes, report: bool) -> None:
         intact = False
         context = self.release_context(request_id) if self.release_context is not None else None
         token = otel_context.attach(context) if context is not None else None
         try:
-            intact = await self._client(handle.source_address).release_kv(request_id, handle.engine_id)
+            intact = await self._client(handle.source_address).release_kv(request_id, handle.engine_id, prompt_digest)
         except grpc.aio.AioRpcError as exc:
             logger.warning("ReleaseKv(%s) at %s failed: %s", request_id, handle.source_address, exc.code())
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):

@@ -3,6 +3,7 @@ processes started here (by pid). Used by `pdserve up`, the tests and the benchma
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -14,6 +15,8 @@ from typing import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.serving.handle_key import KEY_ENV_VAR
 
 HOST = "127.0.0.1"
 # Loading a model and registering its KV pool takes seconds; a cold CI machine can be slow.
@@ -111,12 +114,19 @@ def wait_serving(service: ServiceProcess, timeout_s: float = DEFAULT_START_TIMEO
     raise RuntimeError(f"{service.name} at {service.address} not SERVING after {timeout_s} s:\n{service.log_tail()}")
 
 
+def new_cluster_env() -> dict[str, str]:
+    """The environment every service of one local cluster shares: a fresh random KV handle key."""
+    return {KEY_ENV_VAR: secrets.token_hex(32)}
+
+
 @dataclass
 class LocalCluster:
-    """Router + prefill pods + decode pods on 127.0.0.1, each its own process."""
+    """Router + prefill pods + decode pods on 127.0.0.1, each its own process. Every service started
+    through it gets `env` (with the cluster's own KV handle key); pass it to pods started beside it."""
 
     with_metrics: bool = False  # give every service a Prometheus port (ServiceProcess.metrics_url)
     services: list[ServiceProcess] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=new_cluster_env)
 
     @property
     def router(self) -> ServiceProcess:
@@ -141,6 +151,8 @@ class LocalCluster:
         timeout_s: float = DEFAULT_START_TIMEOUT_S,
     ) -> "LocalCluster":
         cluster = cls(with_metrics=with_metrics)
+        cluster.env.update(env or {})
+        env = cluster.env
         try:
             prefill = [cluster._start(f"prefill-{i}", "prefill_svc", [*pod_args, *prefill_args], log_dir, env)
                        for i in range(num_prefill)]

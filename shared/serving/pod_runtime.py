@@ -13,6 +13,7 @@ from shared.engine.llm_engine import LLMEngine
 from shared.serving.engine_thread import EngineLoop, RequestStream
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
 from shared.engine.kv_transfer.handle import KvLayout
+from shared.engine.kv_transfer.handle_signing import HandleSigner
 from shared.engine.kv_transfer.nixl_connector import NixlConnector
 from shared.engine.kv_transfer.nixl_consumer import NixlConsumer
 from shared.engine.kv_transfer.nixl_producer import NixlProducer
@@ -74,6 +75,8 @@ class PodConfig:
     device: str = field(default="cpu", metadata=setting(
         "where the model and the KV pool live: cpu or cuda[:N] (NIXL then reads device memory)"
     ))
+    # Signs and checks KV handles (shared/serving/handle_key.py says where it comes from); None: unsigned.
+    kv_handle_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_requests_in_flight < 1:
@@ -131,6 +134,7 @@ class Pod:
             layout=self.layout,
             agent=KvTransferAgent(KvTransferAgent.unique_name(role.value)),
             load_failure_policy=config.kv_load_failure_policy,
+            signer=HandleSigner(config.kv_handle_key),
         )
         if role is KVRole.PRODUCER:
             return NixlProducer(source_address=config.advertise_address, lease_s=config.lease_s, **common)

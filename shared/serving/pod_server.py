@@ -14,6 +14,7 @@ from opentelemetry import context as otel_context
 
 from shared.serving.engine_thread import RequestTimeline
 from shared.serving.grpc_server import GrpcServer, ServerOptions
+from shared.serving.handle_key import add_handle_key_flags
 from shared.engine.kv_transfer.connector import KVRole
 from shared.serving.metrics import ServiceMetrics, start_metrics_server
 from shared.serving.pod_call import PodCall
@@ -48,6 +49,8 @@ def add_pod_flags(parser: argparse.ArgumentParser, *, default_port: int, role: K
     )
     other_roles = {KVRole.PRODUCER: CONSUMER_SETTINGS, KVRole.CONSUMER: PRODUCER_SETTINGS}
     add_flags(parser, PodConfig, exclude=other_roles.get(role, PRODUCER_SETTINGS + CONSUMER_SETTINGS))
+    if role is not None:
+        add_handle_key_flags(parser)
 
 
 def pod_config_from_args(args: argparse.Namespace) -> PodConfig:
