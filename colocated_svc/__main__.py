@@ -11,8 +11,10 @@ from pathlib import Path
 
 from colocated_svc.servicer import ColocatedServicer
 from proto.pdserve.v1 import generate_pb2_grpc
+from shared.serving.api_auth import ApiAuthConfig
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.pod_server import add_pod_flags, pod_config_from_args, run_pod
+from shared.serving.settings import add_flags, config_from_args
 
 SERVICE_NAME = "pdserve.v1.GenerateService"
 DEFAULT_PORT = 50061
@@ -23,6 +25,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         prog="pdserve colocated", description="Serve the Generate API from one colocated pod (no router)."
     )
     add_pod_flags(parser, default_port=DEFAULT_PORT, role=None)
+    add_flags(parser, ApiAuthConfig)
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer.json (or a directory holding one) for text prompts; default: the model's")
     return parser
@@ -48,13 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = pod_config_from_args(args)
         tokenizer = load_tokenizer(args.tokenizer)
+        api_token = config_from_args(ApiAuthConfig, args).load(os.environ)
     except ValueError as exc:
         print(f"pdserve colocated: {exc}", file=sys.stderr)
         return 2
     servicer = ColocatedServicer(ServiceMetrics(), tokenizer=tokenizer)
     services = [(generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer, SERVICE_NAME)]
     # Role None: no KV connector, the pod runs whole requests itself.
-    asyncio.run(run_pod(None, args, config, env=dict(os.environ), service_name="colocated", services=services))
+    asyncio.run(run_pod(
+        None, args, config, env=dict(os.environ), service_name="colocated", services=services, api_token=api_token
+    ))
     return 0
 
 

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
         client_config = prefill_client_config(args)
     except ValueError as exc:
         sys.exit(f"pdserve decode: {exc}")
-    servicer = DecodeServicer(ServiceMetrics(), KvSourceCache(client_config))
+    servicer = DecodeServicer(ServiceMetrics(), KvSourceCache(client_config, tls=config.tls))
     services = [(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, SERVICE_NAME)]
     asyncio.run(
         run_pod(KVRole.CONSUMER, args, config, env=dict(os.environ), service_name="decode", services=services)

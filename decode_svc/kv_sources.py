@@ -11,6 +11,7 @@ from opentelemetry import context as otel_context
 
 from shared.engine.kv_transfer.handle import KvHandle, KvSource
 from shared.serving.prefill_client import PrefillClient, PrefillClientConfig
+from shared.serving.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +23,10 @@ class KvSourceUnavailable(RuntimeError):
 class KvSourceCache:
     """Channels to prefill pods by address, and their KV sources by engine id."""
 
-    def __init__(self, config: PrefillClientConfig = PrefillClientConfig(), interceptors=()):
+    def __init__(self, config: PrefillClientConfig = PrefillClientConfig(), interceptors=(),
+                 tls: TlsConfig = TlsConfig()):
         self._config = config
+        self._tls = tls
         self._interceptors = list(interceptors)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._sources: dict[str, KvSource] = {}
@@ -42,7 +45,7 @@ class KvSourceCache:
     def _client(self, address: str) -> PrefillClient:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, interceptors=self._interceptors)
+            channel = self._tls.aio_channel(address, interceptors=self._interceptors)
             self._channels[address] = channel
         return PrefillClient(channel, self._config)
 

@@ -63,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="prompt text (the router needs a tokenizer)")
     prompt.add_argument("--token-ids", help="prompt token ids, comma separated")
     _add_sampling_flags(generate)
+    _add_connection_flags(generate)
     generate.set_defaults(run=_run_generate)
     return parser
 
@@ -77,19 +78,41 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=60.0, help="deadline of the whole call in seconds")
 
 
+def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    """TLS files and the bearer token, for a router that asks for them (the services' own flags)."""
+    from shared.serving.api_auth import ApiAuthConfig
+    from shared.serving.settings import add_flags
+    from shared.serving.tls import TlsConfig
+
+    add_flags(parser, TlsConfig)
+    add_flags(parser, ApiAuthConfig)
+
+
+def _connection(args: argparse.Namespace) -> dict:
+    from shared.serving.api_auth import ApiAuthConfig
+    from shared.serving.settings import config_from_args
+    from shared.serving.tls import TlsConfig
+
+    try:
+        return dict(tls=config_from_args(TlsConfig, args), api_token=config_from_args(ApiAuthConfig, args).load(os.environ))
+    except ValueError as exc:
+        sys.exit(f"pdserve generate: {exc}")
+
+
 def _run_generate(args: argparse.Namespace) -> None:
     prompt = args.prompt if args.prompt is not None else [int(t) for t in args.token_ids.split(",") if t.strip()]
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
-    _stream(args.target, prompt, sampling, args.timeout)
+    _stream(args.target, prompt, sampling, args.timeout, **_connection(args))
 
 
-def _stream(target: str, prompt, sampling: dict, timeout: float) -> None:
+def _stream(target: str, prompt, sampling: dict, timeout: float, **connection) -> None:
+    """connection: PdserveClient's tls and api_token."""
     from pdserve.client import PdserveClient
 
     started = time.monotonic()
     first_at = None
-    with PdserveClient(target) as client:
+    with PdserveClient(target, **connection) as client:
         for chunk in client.generate(prompt, timeout=timeout, **sampling):
             if first_at is None:
                 first_at = time.monotonic()

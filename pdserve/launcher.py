@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.serving.handle_key import KEY_ENV_VAR
+from shared.serving.tls import TlsConfig
 
 HOST = "127.0.0.1"
 # Loading a model and registering its KV pool takes seconds; a cold CI machine can be slow.
@@ -92,14 +93,17 @@ def start_service(
     return ServiceProcess(name=name, address=address, process=process, log_path=log_path)
 
 
-def wait_serving(service: ServiceProcess, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
-    """Block until the standard health service says SERVING; RuntimeError if the process dies or times out."""
+def wait_serving(
+    service: ServiceProcess, timeout_s: float = DEFAULT_START_TIMEOUT_S, tls: TlsConfig = TlsConfig()
+) -> None:
+    """Block until the standard health service says SERVING; RuntimeError if the process dies or times out.
+    tls: what the health check connects with (the services' client TLS settings)."""
     deadline = time.monotonic() + timeout_s
     # Reconnect every few ms: gRPC's default backoff (1 s and growing) would sleep past the moment
     # the port opens while the model loads.
     options = [("grpc.initial_reconnect_backoff_ms", 10), ("grpc.min_reconnect_backoff_ms", 10),
                ("grpc.max_reconnect_backoff_ms", 100)]
-    with grpc.insecure_channel(service.address, options=options) as channel:
+    with tls.channel(service.address, options=options) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if not service.is_running():
@@ -127,6 +131,7 @@ class LocalCluster:
     with_metrics: bool = False  # give every service a Prometheus port (ServiceProcess.metrics_url)
     services: list[ServiceProcess] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=new_cluster_env)
+    client_tls: TlsConfig = TlsConfig()  # how this side (health waits) connects to the services
 
     @property
     def router(self) -> ServiceProcess:
@@ -149,8 +154,10 @@ class LocalCluster:
         log_dir: Path | None = None,
         env: dict[str, str] | None = None,
         timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        client_tls: TlsConfig = TlsConfig(),
     ) -> "LocalCluster":
-        cluster = cls(with_metrics=with_metrics)
+        """client_tls: the TLS settings the health waits connect with, when the services' flags turn TLS on."""
+        cluster = cls(with_metrics=with_metrics, client_tls=client_tls)
         cluster.env.update(env or {})
         env = cluster.env
         try:
@@ -162,7 +169,7 @@ class LocalCluster:
                        f"--decode={','.join(s.address for s in decode)}"]
             cluster._start("router", "router", [*routing, *router_args], log_dir, env)
             for service in cluster.services:
-                wait_serving(service, timeout_s)
+                wait_serving(service, timeout_s, cluster.client_tls)
         except BaseException:
             cluster.stop()
             raise

@@ -15,6 +15,7 @@ from router.metrics import RouterMetrics
 from router.servicer import RouterServicer
 from shared.serving.text import TextCodec
 from router.workers import WorkerPool
+from shared.serving.api_auth import BearerTokenInterceptor
 from shared.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServerOptions
 from shared.serving.metrics import start_metrics_server
 from shared.serving.prefill_client import PrefillClient
@@ -27,7 +28,10 @@ PREFILL_SERVICE = "pdserve.v1.PrefillService"
 DECODE_SERVICE = "pdserve.v1.DecodeService"
 
 
-async def run(config: RouterConfig, *, env: dict[str, str], codec: TextCodec | None = None) -> None:
+async def run(
+    config: RouterConfig, *, env: dict[str, str], codec: TextCodec | None = None, api_token: str | None = None
+) -> None:
+    """api_token: the bearer token Generate callers must send, if any."""
     tracing = setup_tracing(
         TracingConfig.from_flags_and_env(env, default_service_name="pdserve-router", otlp_endpoint=config.otlp_endpoint)
     )
@@ -36,9 +40,12 @@ async def run(config: RouterConfig, *, env: dict[str, str], codec: TextCodec | N
     metrics_server = (
         start_metrics_server(registry, config.host, config.metrics_port) if config.metrics_port is not None else None
     )
+    interceptors = list(tracing.server_interceptors())
+    if api_token is not None:
+        interceptors.append(BearerTokenInterceptor(api_token))
     server = GrpcServer(
-        ServerOptions(host=config.host, port=config.port, grace_seconds=config.grace_seconds),
-        interceptors=tracing.server_interceptors(),
+        ServerOptions(host=config.host, port=config.port, grace_seconds=config.grace_seconds, tls=config.tls),
+        interceptors=interceptors,
     )
 
     async def update_health() -> None:
@@ -53,6 +60,7 @@ async def run(config: RouterConfig, *, env: dict[str, str], codec: TextCodec | N
         ],
         interceptors=tracing.client_interceptors(),
         on_poll=update_health,
+        tls=config.tls,
     )
     prefill = WorkerPool(
         "prefill", config.prefill, prefill_pb2_grpc.PrefillServiceStub, PREFILL_SERVICE, config.pool,
@@ -89,10 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = RouterConfig.from_args(args)
         codec = TextCodec.from_path(config.tokenizer_path) if config.tokenizer_path else None
+        api_token = config.auth.load(os.environ)
     except ValueError as exc:
         print(f"router: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(run(config, env=dict(os.environ), codec=codec))
+    asyncio.run(run(config, env=dict(os.environ), codec=codec, api_token=api_token))
     return 0
 
 

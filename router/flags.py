@@ -4,8 +4,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from shared.serving.api_auth import ApiAuthConfig
 from shared.serving.prefill_client import PrefillClientConfig
 from shared.serving.settings import add_flags, config_from_args, setting, settings_group
+from shared.serving.tls import TlsConfig
 
 POLICIES = ("least-loaded", "round-robin")
 
@@ -118,6 +120,8 @@ class RouterConfig:
     grace_seconds: float = field(default=5.0, metadata=setting("graceful shutdown period"))
     pool: PoolConfig = field(default_factory=PoolConfig, metadata=settings_group())
     prefill_client: PrefillClientConfig = field(default_factory=PrefillClientConfig, metadata=settings_group())
+    tls: TlsConfig = field(default_factory=TlsConfig, metadata=settings_group())
+    auth: ApiAuthConfig = field(default_factory=ApiAuthConfig, metadata=settings_group())
 
     def __post_init__(self) -> None:
         if not self.prefill:

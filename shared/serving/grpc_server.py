@@ -15,6 +15,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from shared.serving.tls import TlsConfig
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -29,6 +31,7 @@ class ServerOptions:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_seconds: float = 5.0
     max_concurrent_rpcs: int | None = None
+    tls: TlsConfig = TlsConfig()  # plain text unless it holds a certificate
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -255,8 +258,13 @@ class GrpcServer:
         reflection.enable_server_reflection(
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
         )
+        credentials = self.options.tls.server_credentials()
+        target = f"{self.options.host}:{self.options.port}"
         try:
-            port = server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+            if credentials is None:
+                port = server.add_insecure_port(target)
+            else:
+                port = server.add_secure_port(target, credentials)
         except RuntimeError as exc:
             raise OSError(f"cannot bind {self.options.host}:{self.options.port}: {exc}") from None
         if port == 0:
@@ -264,7 +272,10 @@ class GrpcServer:
         await self.set_serving(False)
         await server.start()
         self._server, self._port = server, port
-        logger.info("gRPC server listening on %s:%d (%s)", self.options.host, port, ", ".join(self.service_names))
+        logger.info(
+            "gRPC server listening on %s:%d (%s; %s)", self.options.host, port, ", ".join(self.service_names),
+            ("mTLS" if self.options.tls.tls_ca else "TLS") if credentials is not None else "plain text",
+        )
         return port
 
     async def set_serving(self, is_serving: bool) -> None:

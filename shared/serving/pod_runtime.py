@@ -21,7 +21,8 @@ from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
 from shared.engine.model.loader import load_model
 from shared.engine.request import Request
 from shared.serving.outcomes import InvalidRequest, PodOverloaded
-from shared.serving.settings import engine_settings, setting
+from shared.serving.settings import engine_settings, setting, settings_group
+from shared.serving.tls import TlsConfig
 
 
 def serving_scheduler_config() -> SchedulerConfig:
@@ -75,6 +76,7 @@ class PodConfig:
     device: str = field(default="cpu", metadata=setting(
         "where the model and the KV pool live: cpu or cuda[:N] (NIXL then reads device memory)"
     ))
+    tls: TlsConfig = field(default_factory=TlsConfig, metadata=settings_group())
     # Signs and checks KV handles (shared/serving/handle_key.py says where it comes from); None: unsigned.
     kv_handle_key: bytes | None = field(default=None, repr=False)
 

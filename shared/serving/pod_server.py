@@ -13,6 +13,7 @@ import grpc
 from opentelemetry import context as otel_context
 
 from shared.serving.engine_thread import RequestTimeline
+from shared.serving.api_auth import BearerTokenInterceptor
 from shared.serving.grpc_server import GrpcServer, ServerOptions
 from shared.serving.handle_key import add_handle_key_flags
 from shared.engine.kv_transfer.connector import KVRole
@@ -167,9 +168,11 @@ async def run_pod(
     env: Mapping[str, str],
     service_name: str,
     services: Sequence[tuple[Callable, PodServicer, str]],
+    api_token: str | None = None,
 ) -> None:
     """Serve (health NOT_SERVING) while the pod loads, then SERVING until SIGTERM/SIGINT. Then:
-    NOT_SERVING, refuse new work, let requests in flight finish (grace period), stop the pod."""
+    NOT_SERVING, refuse new work, let requests in flight finish (grace period), stop the pod.
+    api_token: the bearer token the public API (a colocated pod's Generate) requires, if any."""
     tracing = setup_tracing(
         TracingConfig.from_flags_and_env(
             env,
@@ -180,9 +183,12 @@ async def run_pod(
     )
     # Load polls come every second from every router: tracing them would bury the request traces.
     untraced = (*DEFAULT_UNTRACED_METHOD_PREFIXES, *(f"/{name}/GetLoad" for _, _, name in services))
+    interceptors = list(tracing.server_interceptors(untraced))
+    if api_token is not None:
+        interceptors.append(BearerTokenInterceptor(api_token))
     server = GrpcServer(
-        ServerOptions(host=args.host, port=args.port, grace_seconds=args.grace_seconds),
-        interceptors=tracing.server_interceptors(untraced),
+        ServerOptions(host=args.host, port=args.port, grace_seconds=args.grace_seconds, tls=pod_config.tls),
+        interceptors=interceptors,
     )
     for add_to_server, servicer, name in services:
         servicer.use_tracing(tracing)
