@@ -8,6 +8,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
+from raw_grpc import GARBAGE, call_with_raw_bytes
 from shared.serving.grpc_server import GrpcServer, ServerOptions
 
 pytestmark = pytest.mark.e2e
@@ -142,8 +143,6 @@ def test_bad_options_are_rejected():
         ServerOptions(grace_seconds=-1)
 
 
-# Field 1, length-delimited, claims 5 bytes but carries 2: no protobuf message parses from this.
-GARBAGE = b"\x0a\x05ab"
 # (method path, streams its response, streams its request)
 SERVER_METHODS = [
     (f"/{SERVICE}/Generate", True, False),
@@ -151,25 +150,6 @@ SERVER_METHODS = [
     ("/grpc.health.v1.Health/Watch", True, False),
     ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", True, True),
 ]
-
-
-async def call_with_raw_bytes(channel: grpc.aio.Channel, method: str, is_stream_response: bool,
-                              is_stream_request: bool, data: bytes) -> grpc.aio.AioRpcError:
-    """Send data as the request bytes, bypassing any serializer; the error the call ends with."""
-    identity = dict(request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)
-    try:
-        if is_stream_request:
-            call = channel.stream_stream(method, **identity)(iter([data]), timeout=5)
-            async for _ in call:
-                pass
-        elif is_stream_response:
-            async for _ in channel.unary_stream(method, **identity)(data, timeout=5):
-                pass
-        else:
-            await channel.unary_unary(method, **identity)(data, timeout=5)
-    except grpc.aio.AioRpcError as error:
-        return error
-    raise AssertionError(f"{method} accepted malformed bytes")
 
 
 @pytest.mark.timeout(30)
