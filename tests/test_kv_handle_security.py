@@ -5,8 +5,10 @@ request bytes get INVALID_ARGUMENT on every method of every server."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import os
 import random
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -22,6 +24,7 @@ from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import SamplingParams
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.serving import convert
+from shared.serving.handle_key import KEY_ENV_VAR
 from split_cluster import BLOCK_SIZE, NUM_BLOCKS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -212,3 +215,12 @@ def test_malformed_bytes_get_invalid_argument_on_every_method_of_every_server(cl
         # One warning line per call, no traceback of grpc's own failed deserialization.
         assert log.count("malformed request to") >= len(methods[name]), name
         assert "DecodeError" not in log and "Exception deserializing" not in log, name
+
+
+@pytest.mark.parametrize("module", ["prefill_svc", "decode_svc"])
+def test_a_split_pod_without_a_handle_key_refuses_to_start(module):
+    env = {k: v for k, v in os.environ.items() if k != KEY_ENV_VAR}
+    done = subprocess.run([sys.executable, "-m", module, "--port", "0"], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert done.returncode != 0
+    assert "no KV handle key" in done.stderr and "--insecure-unsigned-handles" in done.stderr
