@@ -65,6 +65,15 @@ def _parser() -> argparse.ArgumentParser:
     _add_sampling_flags(generate)
     _add_connection_flags(generate)
     generate.set_defaults(run=_run_generate)
+
+    health = commands.add_parser(
+        "health", help="exit 0 when a service's gRPC health says SERVING (a probe that speaks TLS)"
+    )
+    health.add_argument("--target", required=True, help="service address host:port")
+    health.add_argument("--service", default="", help="service name to ask about (default: the whole server)")
+    health.add_argument("--timeout", type=float, default=3.0, help="seconds the check may take")
+    _add_connection_flags(health)
+    health.set_defaults(run=_run_health)
     return parser
 
 
@@ -94,9 +103,26 @@ def _connection(args: argparse.Namespace) -> dict:
     from shared.serving.tls import TlsConfig
 
     try:
-        return dict(tls=config_from_args(TlsConfig, args), api_token=config_from_args(ApiAuthConfig, args).load(os.environ))
+        tls = config_from_args(TlsConfig, args)
+        return dict(tls=tls, api_token=config_from_args(ApiAuthConfig, args).load(os.environ))
     except ValueError as exc:
-        sys.exit(f"pdserve generate: {exc}")
+        sys.exit(f"pdserve {args.command}: {exc}")
+
+
+def _run_health(args: argparse.Namespace) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    tls = _connection(args)["tls"]
+    try:
+        with tls.channel(args.target) as channel:
+            request = health_pb2.HealthCheckRequest(service=args.service)
+            status = health_pb2_grpc.HealthStub(channel).Check(request, timeout=args.timeout).status
+    except grpc.RpcError as error:
+        sys.exit(f"pdserve health: {args.target}: {error.code().name}: {error.details()}")
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    print(f"{args.target}: {name}")
+    sys.exit(0 if status == health_pb2.HealthCheckResponse.SERVING else 1)
 
 
 def _run_generate(args: argparse.Namespace) -> None:
