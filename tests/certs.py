@@ -53,7 +53,8 @@ class CertificateAuthority:
         """A leaf for both TLS roles (serverAuth and clientAuth), valid for the given names."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
-        alt_names = [x509.DNSName(n) for n in dns_names] + [x509.IPAddress(ipaddress.ip_address(a)) for a in ip_addresses]
+        alt_names = [x509.DNSName(n) for n in dns_names]
+        alt_names += [x509.IPAddress(ipaddress.ip_address(a)) for a in ip_addresses]
         cert = (
             x509.CertificateBuilder()
             .subject_name(_name(name)).issuer_name(self._name)

@@ -41,7 +41,8 @@ _outcomes: collections.Counter = collections.Counter()
 
 # ---- strategies --------------------------------------------------------------------------------
 
-token_id = st.one_of(st.integers(0, VOCAB_SIZE - 1), st.integers(0, VOCAB_SIZE - 1), st.integers(VOCAB_SIZE, UINT32_MAX))
+in_vocabulary = st.integers(0, VOCAB_SIZE - 1)
+token_id = st.one_of(in_vocabulary, in_vocabulary, st.integers(VOCAB_SIZE, UINT32_MAX))  # 2 in 3 in vocabulary
 prompt = st.one_of(
     st.lists(st.integers(3, VOCAB_SIZE - 1), min_size=1, max_size=40),  # mostly well formed
     st.lists(token_id, max_size=40),  # empty, or out-of-vocabulary ids
@@ -97,7 +98,8 @@ class Stubs:
 
 @pytest.fixture(scope="module")
 def stubs(split_cluster):
-    channels = [grpc.insecure_channel(split_cluster.by_name(name).address) for name in ("router", "prefill-0", "decode-0")]
+    names = ("router", "prefill-0", "decode-0")
+    channels = [grpc.insecure_channel(split_cluster.by_name(name).address) for name in names]
     yield Stubs(generate_pb2_grpc.GenerateServiceStub(channels[0]), prefill_pb2_grpc.PrefillServiceStub(channels[1]),
                 decode_pb2_grpc.DecodeServiceStub(channels[2]))
     for channel in channels:
@@ -106,7 +108,8 @@ def stubs(split_cluster):
 
 @pytest.fixture(scope="module")
 def reference():
-    return LLMEngine("tiny", SchedulerConfig(max_model_len=2048), CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS))
+    cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    return LLMEngine("tiny", SchedulerConfig(max_model_len=2048), cache)
 
 
 def _refused(call, kind: str = "") -> grpc.RpcError | None:

@@ -40,7 +40,8 @@ def cluster(split_cluster):
 @pytest.fixture(scope="module")
 def reference():
     """The single-process engine on the same weights."""
-    return LLMEngine("tiny", SchedulerConfig(max_model_len=2048), CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS))
+    cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    return LLMEngine("tiny", SchedulerConfig(max_model_len=2048), cache)
 
 
 def _prompt(seed: int, length: int = 50) -> list[int]:
