@@ -41,7 +41,8 @@ def test_split_pods_get_the_handle_key_from_a_secret(overlay):
     containers = _containers(_render_dir(REPO / "k8s" / "overlays" / overlay))
     for name in ("prefill", "decode"):
         env = {item["name"]: item for item in containers[name]["env"]}
-        assert env["PDSERVE_KV_HANDLE_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "pdserve-kv-handle-key", "key": "key"}
+        secret = env["PDSERVE_KV_HANDLE_KEY"]["valueFrom"]["secretKeyRef"]
+        assert secret == {"name": "pdserve-kv-handle-key", "key": "key"}
     assert "PDSERVE_KV_HANDLE_KEY" not in {item["name"] for item in containers["router"].get("env", [])}
 
 

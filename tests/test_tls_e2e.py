@@ -109,7 +109,8 @@ def test_health_probe_command_speaks_mtls(secured):
     """The command the k8s tls Component probes with (kubelet's own gRPC probe cannot speak TLS)."""
     cluster, client_tls, _, _ = secured
     base = [sys.executable, "-m", "pdserve.cli", "health", "--target", cluster.by_name("prefill-0").address]
-    with_tls = [*base, "--tls-cert", client_tls.tls_cert, "--tls-key", client_tls.tls_key, "--tls-ca", client_tls.tls_ca]
+    with_tls = [*base, "--tls-cert", client_tls.tls_cert, "--tls-key", client_tls.tls_key,
+                "--tls-ca", client_tls.tls_ca]
     done = subprocess.run(with_tls, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "SERVING" in done.stdout, done.stderr
     done = subprocess.run(base, capture_output=True, text=True, timeout=120)
