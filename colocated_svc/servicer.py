@@ -57,7 +57,7 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
                 yield convert.generate_chunk_to_proto(
                     request_id=request_id,
                     token_ids=token_ids,
-                    text=text.push(token_ids) if text is not None else "",
+                    text=text.push(token_ids, final=finish is not None) if text is not None else "",
                     finish_reason=finish,
                     num_prompt_tokens=len(prompt_ids),
                     num_output_tokens=call.num_output_tokens,

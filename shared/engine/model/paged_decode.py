@@ -55,13 +55,15 @@ def paged_decode_available(dtype: torch.dtype = torch.float32, device: torch.dev
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_table: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           sliding_window: int | None = None) -> torch.Tensor:
     """Softmax attention of each sequence's single query over its first context_lens[b] cached tokens.
 
     query [B, H, D]; key_cache / value_cache [num_blocks, block_size, KVH, D] with H a multiple of KVH
     (query head h reads kv head h // (H // KVH)); block_table [B, max_blocks] int64 or int32, token t of
     sequence b at block_table[b, t // block_size], offset t % block_size; context_lens [B], each in
-    [1, max_blocks * block_size]. Returns a new contiguous [B, H, D] tensor of query's dtype.
+    [1, max_blocks * block_size]. sliding_window: each query sees only its last sliding_window keys
+    (itself included), as Mistral's and Qwen2's sliding-window layers do. Returns a new contiguous [B, H, D] tensor of query's dtype.
     Raises ValueError on malformed input, RuntimeError if the kernel is unavailable.
     """
     if query.device.type != "cpu":
@@ -71,4 +73,4 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("paged decode kernel unavailable (see the earlier warning); check paged_decode_available()")
-    return kernel(query, key_cache, value_cache, block_table, context_lens, float(scale))
+    return kernel(query, key_cache, value_cache, block_table, context_lens, float(scale), sliding_window)

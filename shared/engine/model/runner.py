@@ -261,6 +261,7 @@ class ModelRunner:
         keep_meta = AttentionMetadata(
             slot_mapping=None, num_decode_tokens=num_decodes, decode_block_table=meta.decode_block_table,
             decode_context_lens=meta.decode_context_lens, decode_key_mask=meta.decode_key_mask, spans=spans,
+            decode_window_key_mask=meta.decode_window_key_mask,
         )
         rows = self._ids(kept_rows)
         return OutputRows(rows=rows, meta=keep_meta), [position[row] for row in logit_rows]
@@ -268,7 +269,7 @@ class ModelRunner:
     def _attention_metadata(self, scheduled: list[_ScheduledRequest]) -> AttentionMetadata:
         bs = self.block_size
         decodes = [r for r in scheduled if len(r.input_ids) == 1]
-        table, lens, mask = None, None, None
+        table, lens, mask, window_mask = None, None, None, None
         if decodes:
             context = [r.start + 1 for r in decodes]
             width = max(-(-c // bs) for c in context)
@@ -276,6 +277,8 @@ class ModelRunner:
             lens = self._ids(context)
             if not self._uses_decode_kernel:
                 mask = self._decode_key_mask(lens, width * bs)
+                if self.config.has_sliding_window:
+                    window_mask = self._decode_key_mask(lens, width * bs, self.config.sliding_window)
         spans = []
         row = len(decodes)
         for r in scheduled[len(decodes):]:
@@ -285,11 +288,17 @@ class ModelRunner:
             spans.append(SequenceSpan(query_start=row, query_len=n, context_len=context_len, block_ids=block_ids))
             row += n
         return AttentionMetadata(slot_mapping=None, num_decode_tokens=len(decodes), decode_block_table=table,
-                                 decode_context_lens=lens, decode_key_mask=mask, spans=spans)
+                                 decode_context_lens=lens, decode_key_mask=mask, spans=spans,
+                                 decode_window_key_mask=window_mask)
 
-    def _decode_key_mask(self, context_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
-        """[num_decodes, 1, 1, num_keys]: 0 for each request's context keys, -inf past it."""
-        invalid = torch.arange(num_keys, device=self.device).unsqueeze(0) >= context_lens.unsqueeze(1)
+    def _decode_key_mask(self, context_lens: torch.Tensor, num_keys: int,
+                         sliding_window: int | None = None) -> torch.Tensor:
+        """[num_decodes, 1, 1, num_keys]: 0 for each request's context keys (the last sliding_window of
+        them when given), -inf elsewhere."""
+        key_positions = torch.arange(num_keys, device=self.device).unsqueeze(0)
+        invalid = key_positions >= context_lens.unsqueeze(1)
+        if sliding_window is not None:
+            invalid |= key_positions < (context_lens - sliding_window).unsqueeze(1)
         # An additive float mask: SDPA's CPU kernel runs markedly faster with it than with a bool one.
         mask = torch.zeros(invalid.shape, dtype=self.config.torch_dtype, device=self.device)
         mask.masked_fill_(invalid, float("-inf"))
