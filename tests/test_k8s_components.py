@@ -64,6 +64,7 @@ def test_tls_component_documents_validate_strictly(tls_docs):
 
 @pytest.mark.parametrize("name", COMPONENTS)
 def test_tls_component_gives_every_pod_its_files_flags_and_tls_probes(tls_docs, name):
+    base_containers = _containers(_render_dir(REPO / "k8s" / "overlays" / "dev"))
     import importlib
 
     from pdserve.cli import _parser
@@ -85,9 +86,12 @@ def test_tls_component_gives_every_pod_its_files_flags_and_tls_probes(tls_docs, 
         TLS_FLAGS["--tls-cert"], TLS_FLAGS["--tls-ca"], "pdserve"
     )
     port = {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"]
+    plain = base_containers[name]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert "grpc" not in container[probe]
         command = container[probe]["exec"]["command"]
         assert command[:2] == ["pdserve", "health"]
         probe_args = _parser().parse_args(command[1:])
         assert probe_args.target == f"127.0.0.1:{port}" and probe_args.tls_cert == TLS_FLAGS["--tls-cert"]
+        # The same health service the plain-text probe asks (readiness: the whole server; liveness: "liveness").
+        assert probe_args.service == plain[probe]["grpc"].get("service", "")

@@ -74,7 +74,7 @@ class PodConfig:
     advertise_address: str = field(default="", metadata=setting(
         "host:port decode pods use to reach this pod (prefill; default: the bound host:port)"
     ))
-    num_threads: int | None = field(default=None, metadata=setting("torch intra-op threads (default: torch's)"))
+    num_threads: int | None = field(default=None, metadata=setting("torch intra-op threads (default: the container's CPU limit, else torch's)"))
     device: str = field(default="cpu", metadata=setting(
         "where the model and the KV pool live: cpu or cuda[:N] (NIXL then reads device memory)"
     ))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.engine.kv_cache.events import KvEvent
 from shared.engine.kv_transfer.handle import KvHandle, KvLayout, KvPullStats, KvSource
 from shared.engine.request import FinishReason, SamplingParams
 
@@ -67,3 +68,14 @@ class DecodeChunk:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     kv_pull: KvPullStats | None = None
+
+
+@dataclass(frozen=True)
+class KvEventUpdate:
+    """One message of a pod's prefix-cache event stream (a snapshot start replaces all earlier state)."""
+
+    engine_id: str
+    block_size: int
+    root_hash: bytes
+    is_snapshot: bool = False
+    events: list[KvEvent] = field(default_factory=list)

@@ -5,6 +5,7 @@ and calls the worker side of a KV connector around each forward pass. It never d
 """
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ from shared.engine.model.sampler import prompt_logprobs, sample
 from shared.engine.model.spec_decode import NgramProposer
 from shared.engine.request import SamplingParams
 from shared.engine.sched.output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,6 +57,8 @@ class ModelRunner:
         # not on the first decode step (a cold build takes about 10 s on 2 cores). Without it, decodes
         # take the gather + SDPA path, which needs a key mask.
         self._uses_decode_kernel = paged_decode_available(self.config.torch_dtype, self.device)
+        logger.info("decode attention path: %s", "paged decode kernel" if self._uses_decode_kernel
+                    else f"gather + SDPA (no paged kernel for {self.config.torch_dtype} on {self.device.type})")
         self.model = loaded.model
         self.block_size = block_size
         self.num_blocks = num_blocks
