@@ -11,6 +11,7 @@ import sys
 
 from colocated_svc.servicer import ColocatedServicer
 from proto.pdserve.v1 import generate_pb2_grpc
+from shared.serving.api_auth import ApiAuthConfig
 from shared.serving.http_api import HttpConfig, HttpFront, HttpServer
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.pod_server import add_pod_flags, pod_config_from_args, run_pod
@@ -26,6 +27,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         prog="pdserve colocated", description="Serve the Generate API from one colocated pod (no router)."
     )
     add_pod_flags(parser, default_port=DEFAULT_PORT, role=None)
+    add_flags(parser, ApiAuthConfig)
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer.json (or a directory holding one) for text prompts; default: the model's")
     add_flags(parser, HttpConfig)
@@ -42,7 +44,9 @@ def load_codec(tokenizer: str | None, model: str) -> TextCodec | None:
         return None  # a model without tokenizer.json serves token ids only
 
 
-def http_server(args, http: HttpConfig, servicer: ColocatedServicer, codec: TextCodec | None) -> HttpServer | None:
+def http_server(
+    args, http: HttpConfig, servicer: ColocatedServicer, codec: TextCodec | None, api_token: str | None
+) -> HttpServer | None:
     if http.http_port is None:
         return None
     front = HttpFront(
@@ -52,6 +56,7 @@ def http_server(args, http: HttpConfig, servicer: ColocatedServicer, codec: Text
         registry=servicer.metrics.registry,
         is_ready=lambda: servicer.pod is not None and not servicer.is_draining,
         max_model_len=lambda: servicer.pod.max_model_len if servicer.pod is not None else None,
+        api_key=api_token,
     )
     return HttpServer(front.app, args.host, http.http_port)
 
@@ -63,19 +68,21 @@ def main(argv: list[str] | None = None) -> int:
         config = pod_config_from_args(args)
         http = config_from_args(HttpConfig, args)
         codec = load_codec(args.tokenizer, config.model)
+        api_token = config_from_args(ApiAuthConfig, args).load(os.environ)
     except ValueError as exc:
         print(f"pdserve colocated: {exc}", file=sys.stderr)
         return 2
     servicer = ColocatedServicer(ServiceMetrics(), tokenizer=codec.tokenizer if codec is not None else None)
     services = [(generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer, SERVICE_NAME)]
     try:
-        front = http_server(args, http, servicer, codec)
+        front = http_server(args, http, servicer, codec, api_token)
     except OSError as exc:
         print(f"pdserve colocated: {exc}", file=sys.stderr)
         return 2
     # Role None: no KV connector, the pod runs whole requests itself.
     asyncio.run(run_pod(
-        None, args, config, env=dict(os.environ), service_name="colocated", services=services, http=front
+        None, args, config, env=dict(os.environ), service_name="colocated", services=services, http=front,
+        api_token=api_token,
     ))
     return 0
 

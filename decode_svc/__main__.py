@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -11,6 +12,7 @@ from decode_svc.kv_sources import KvSourceCache
 from decode_svc.servicer import DecodeServicer
 from proto.pdserve.v1 import decode_pb2_grpc
 from shared.engine.kv_transfer.connector import KVRole
+from shared.serving.handle_key import handle_key_from_args
 from shared.serving.kv_events import kv_event_service
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.pod_server import run_pod
@@ -22,11 +24,12 @@ def main(argv: list[str] | None = None) -> None:
     args = build_arg_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s decode %(levelname)s %(name)s: %(message)s")
     try:
-        config = pod_config(args)
+        config = dataclasses.replace(pod_config(args), kv_handle_key=handle_key_from_args(args, os.environ))
         client_config = prefill_client_config(args)
     except ValueError as exc:
         sys.exit(f"pdserve decode: {exc}")
-    servicer = DecodeServicer(ServiceMetrics(), KvSourceCache(client_config, probe_port_range=args.kv_port_range))
+    sources = KvSourceCache(client_config, probe_port_range=args.kv_port_range, tls=config.tls)
+    servicer = DecodeServicer(ServiceMetrics(), sources)
     services = [(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, SERVICE_NAME), kv_event_service()]
     asyncio.run(
         run_pod(KVRole.CONSUMER, args, config, env=dict(os.environ), service_name="decode", services=services)

@@ -12,6 +12,7 @@ from opentelemetry import context as otel_context
 from decode_svc.transport_probe import ProbeResult, TransportProbe, derive_transport
 from shared.engine.kv_transfer.handle import KvHandle, KvSource
 from shared.serving.prefill_client import PrefillClient, PrefillClientConfig
+from shared.serving.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +29,11 @@ class KvSourceCache:
     """Channels to prefill pods by address, and their KV sources by engine id."""
 
     def __init__(self, config: PrefillClientConfig = PrefillClientConfig(), interceptors=(), *,
-                 probe_port_range: str | None = None):
-        """probe_port_range: check the KV path to each new prefill engine with a probe READ (None: never)."""
+                 probe_port_range: str | None = None, tls: TlsConfig = TlsConfig()):
+        """probe_port_range: check the KV path to each new prefill engine with a probe READ (None: never).
+        tls: how the channels to prefill pods connect."""
         self._config = config
+        self._tls = tls
         self._interceptors = list(interceptors)
         self._probe_port_range = probe_port_range
         self._probe: TransportProbe | None = None
@@ -53,7 +56,7 @@ class KvSourceCache:
     def _client(self, address: str) -> PrefillClient:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS, interceptors=self._interceptors)
+            channel = self._tls.aio_channel(address, options=_CHANNEL_OPTIONS, interceptors=self._interceptors)
             self._channels[address] = channel
         return PrefillClient(channel, self._config)
 
@@ -92,25 +95,27 @@ class KvSourceCache:
         if not result.is_ok and self.on_probe_failure is not None:
             self.on_probe_failure(result)
 
-    def release_from_engine_thread(self, loop: asyncio.AbstractEventLoop, handle: KvHandle, request_id: str) -> None:
+    def release_from_engine_thread(
+        self, loop: asyncio.AbstractEventLoop, handle: KvHandle, request_id: str, prompt_digest: bytes
+    ) -> None:
         """The connector's release_remote hook: called on the engine thread, runs on the event loop."""
-        loop.call_soon_threadsafe(self._start_release, handle, request_id, True)
+        loop.call_soon_threadsafe(self._start_release, handle, request_id, prompt_digest, True)
 
     def release_quietly(self, handle: KvHandle, request_id: str) -> None:
-        """End a hold whose data will not be used (no answer needed)."""
-        self._start_release(handle, request_id, False)
+        """Abandon a hold whose data will not be used (no digest, no answer needed)."""
+        self._start_release(handle, request_id, b"", False)
 
-    def _start_release(self, handle: KvHandle, request_id: str, report: bool) -> None:
-        task = asyncio.ensure_future(self._release(handle, request_id, report))
+    def _start_release(self, handle: KvHandle, request_id: str, prompt_digest: bytes, report: bool) -> None:
+        task = asyncio.ensure_future(self._release(handle, request_id, prompt_digest, report))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _release(self, handle: KvHandle, request_id: str, report: bool) -> None:
+    async def _release(self, handle: KvHandle, request_id: str, prompt_digest: bytes, report: bool) -> None:
         intact = False
         context = self.release_context(request_id) if self.release_context is not None else None
         token = otel_context.attach(context) if context is not None else None
         try:
-            intact = await self._client(handle.source_address).release_kv(request_id, handle.engine_id)
+            intact = await self._client(handle.source_address).release_kv(request_id, handle.engine_id, prompt_digest)
         except grpc.aio.AioRpcError as exc:
             logger.warning("ReleaseKv(%s) at %s failed: %s", request_id, handle.source_address, exc.code())
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):

@@ -16,9 +16,12 @@ from opentelemetry import trace
 from proto.pdserve.v1 import common_pb2, decode_pb2_grpc
 from shared.serving import convert, wire
 from shared.serving.engine_thread import RequestStream
-from shared.serving.outcomes import KvUnusable, PodUnavailable, invalid_on_value_error
+from shared.serving.outcomes import (
+    HandleNotAuthentic, InvalidRequest, KvUnusable, PodUnavailable, invalid_on_value_error,
+)
+from shared.engine.kv_cache.hashing import prompt_digest
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy
-from shared.engine.kv_transfer.handle import KvPullOutcome, KvPullStats
+from shared.engine.kv_transfer.handle import KvHandleNotAuthentic, KvHandleOtherPrompt, KvPullOutcome, KvPullStats
 from shared.engine.kv_transfer.handoff import PullFromPeer
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.pod_server import PodServicer
@@ -67,8 +70,8 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
         # The connector confirms each pull with ReleaseKv: it asks from the engine thread, the
         # call runs on this event loop, and the answer goes back to the connector.
         loop = asyncio.get_running_loop()
-        pod.connector.release_remote = lambda handle, request_id: self.sources.release_from_engine_thread(
-            loop, handle, request_id
+        pod.connector.release_remote = lambda handle, request_id, digest: self.sources.release_from_engine_thread(
+            loop, handle, request_id, digest
         )
         self.sources.on_release_result = pod.connector.on_release_result
 
@@ -136,10 +139,11 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
         kv_params = None
         stats = KvPullStats(0, 0, 0, 0.0, KvPullOutcome.NO_HANDLE)
         if work.handle is not None:
+            digest = self._checked_prompt_digest(work)
             unusable = self.pod.connector.pull_precheck(work.handle)
             if unusable is None:
                 try:
-                    kv_params = PullFromPeer(work.handle, await self.sources.get(work.handle))
+                    kv_params = PullFromPeer(work.handle, await self.sources.get(work.handle), digest)
                 except KvSourceUnavailable as exc:
                     logger.warning("cannot pull %s: %s", work.request_id, exc)
                     unusable = KvPullOutcome.RECOMPUTED_ERROR
@@ -157,6 +161,18 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
             kv_transfer_params=kv_params,
         )
         return engine_request, stats
+
+    def _checked_prompt_digest(self, work: wire.DecodeInput) -> bytes:
+        """The request's own prompt digest, once the handle proved authentic and made for that prompt.
+        A refused handle is not released: whoever holds the real one may still pull with it."""
+        digest = prompt_digest(work.prompt_token_ids, work.handle.block_size)
+        try:
+            self.pod.connector.check_handle(work.handle, digest)
+        except KvHandleNotAuthentic as exc:
+            raise HandleNotAuthentic(f"request {work.request_id}: {exc}") from None
+        except KvHandleOtherPrompt as exc:
+            raise InvalidRequest(f"request {work.request_id}: {exc}") from None
+        return digest
 
     # ---- spans ---------------------------------------------------------------------------------
     def _release_context(self, request_id: str) -> otel_context.Context | None:

@@ -104,7 +104,17 @@ def _parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="prompt text (the router needs a tokenizer)")
     prompt.add_argument("--token-ids", help="prompt token ids, comma separated")
     _add_sampling_flags(generate)
+    _add_connection_flags(generate)
     generate.set_defaults(run=_run_generate)
+
+    health = commands.add_parser(
+        "health", help="exit 0 when a service's gRPC health says SERVING (a probe that speaks TLS)"
+    )
+    health.add_argument("--target", required=True, help="service address host:port")
+    health.add_argument("--service", default="", help="service name to ask about (default: the whole server)")
+    health.add_argument("--timeout", type=float, default=3.0, help="seconds the check may take")
+    _add_connection_flags(health)
+    health.set_defaults(run=_run_health)
     return parser
 
 
@@ -118,11 +128,49 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=60.0, help="deadline of the whole call in seconds")
 
 
+def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    """TLS files and the bearer token, for a router that asks for them (the services' own flags)."""
+    from shared.serving.api_auth import ApiAuthConfig
+    from shared.serving.settings import add_flags
+    from shared.serving.tls import TlsConfig
+
+    add_flags(parser, TlsConfig)
+    add_flags(parser, ApiAuthConfig)
+
+
+def _connection(args: argparse.Namespace) -> dict:
+    from shared.serving.api_auth import ApiAuthConfig
+    from shared.serving.settings import config_from_args
+    from shared.serving.tls import TlsConfig
+
+    try:
+        tls = config_from_args(TlsConfig, args)
+        return dict(tls=tls, api_token=config_from_args(ApiAuthConfig, args).load(os.environ))
+    except ValueError as exc:
+        sys.exit(f"pdserve {args.command}: {exc}")
+
+
+def _run_health(args: argparse.Namespace) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    tls = _connection(args)["tls"]
+    try:
+        with tls.channel(args.target) as channel:
+            request = health_pb2.HealthCheckRequest(service=args.service)
+            status = health_pb2_grpc.HealthStub(channel).Check(request, timeout=args.timeout).status
+    except grpc.RpcError as error:
+        sys.exit(f"pdserve health: {args.target}: {error.code().name}: {error.details()}")
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    print(f"{args.target}: {name}")
+    sys.exit(0 if status == health_pb2.HealthCheckResponse.SERVING else 1)
+
+
 def _run_generate(args: argparse.Namespace) -> None:
     prompt = args.prompt if args.prompt is not None else [int(t) for t in args.token_ids.split(",") if t.strip()]
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
-    _stream(args.target, prompt, sampling, args.timeout)
+    _stream(args.target, prompt, sampling, args.timeout, **_connection(args))
 
 
 def chunk_output(chunk, as_text: bool) -> str:
@@ -133,13 +181,14 @@ def chunk_output(chunk, as_text: bool) -> str:
     return "".join(f"{token_id} " for token_id in chunk.token_ids)
 
 
-def _stream(target: str, prompt, sampling: dict, timeout: float) -> None:
+def _stream(target: str, prompt, sampling: dict, timeout: float, **connection) -> None:
+    """connection: PdserveClient's tls and api_token."""
     from pdserve.client import PdserveClient
 
     started = time.monotonic()
     first_at = None
     as_text = isinstance(prompt, str)
-    with PdserveClient(target) as client:
+    with PdserveClient(target, **connection) as client:
         for chunk in client.generate(prompt, timeout=timeout, **sampling):
             if first_at is None:
                 first_at = time.monotonic()

@@ -3,6 +3,9 @@
     with PdserveClient("127.0.0.1:50051") as client:
         for chunk in client.generate([1, 2, 3], max_tokens=8):
             print(chunk.token_ids, chunk.text)
+
+Against a router with TLS and a bearer token:
+`PdserveClient(address, tls=TlsConfig(tls_ca="ca.pem"), api_token="...")` (add tls_cert/tls_key for mTLS).
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import grpc
 
 from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
 from shared.serving import convert
+from shared.serving.api_auth import bearer_metadata
+from shared.serving.tls import TlsConfig
 from shared.engine.request import FinishReason, SamplingParams
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -66,10 +71,12 @@ def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 class PdserveClient:
     """Blocking client. generate() yields chunks; leaving the loop early cancels the call."""
 
-    def __init__(self, address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+    def __init__(self, address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 tls: TlsConfig = TlsConfig(), api_token: str | None = None):
         self.address = address
-        self._channel = grpc.insecure_channel(address, options=_channel_options(max_message_bytes))
+        self._channel = tls.channel(address, options=_channel_options(max_message_bytes))
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
+        self._metadata = bearer_metadata(api_token)
 
     def generate(
         self,
@@ -80,7 +87,7 @@ class PdserveClient:
         **sampling,
     ) -> Iterator[GenerateChunk]:
         request = build_generate_request(prompt, request_id=request_id, **sampling)
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             for message in call:
                 yield chunk_from_proto(message)
@@ -100,10 +107,12 @@ class PdserveClient:
 class AsyncPdserveClient:
     """asyncio client. `async for chunk in client.generate(...)`; leaving the loop early cancels the call."""
 
-    def __init__(self, address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+    def __init__(self, address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 tls: TlsConfig = TlsConfig(), api_token: str | None = None):
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=_channel_options(max_message_bytes))
+        self._channel = tls.aio_channel(address, options=_channel_options(max_message_bytes))
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
+        self._metadata = bearer_metadata(api_token)
 
     async def generate(
         self,
@@ -114,7 +123,7 @@ class AsyncPdserveClient:
         **sampling,
     ) -> AsyncIterator[GenerateChunk]:
         request = build_generate_request(prompt, request_id=request_id, **sampling)
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             async for message in call:
                 yield chunk_from_proto(message)

@@ -3,6 +3,7 @@ processes started here (by pid). Used by `pdserve up`, the tests and the benchma
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -14,6 +15,9 @@ from typing import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.serving.handle_key import KEY_ENV_VAR
+from shared.serving.tls import TlsConfig
 
 HOST = "127.0.0.1"
 # Loading a model and registering its KV pool takes seconds; a cold CI machine can be slow.
@@ -90,14 +94,17 @@ def start_service(
     return ServiceProcess(name=name, address=address, process=process, log_path=log_path)
 
 
-def wait_serving(service: ServiceProcess, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
-    """Block until the standard health service says SERVING; RuntimeError if the process dies or times out."""
+def wait_serving(
+    service: ServiceProcess, timeout_s: float = DEFAULT_START_TIMEOUT_S, tls: TlsConfig = TlsConfig()
+) -> None:
+    """Block until the standard health service says SERVING; RuntimeError if the process dies or times out.
+    tls: what the health check connects with (the services' client TLS settings)."""
     deadline = time.monotonic() + timeout_s
     # Reconnect every few ms: gRPC's default backoff (1 s and growing) would sleep past the moment
     # the port opens while the model loads.
     options = [("grpc.initial_reconnect_backoff_ms", 10), ("grpc.min_reconnect_backoff_ms", 10),
                ("grpc.max_reconnect_backoff_ms", 100)]
-    with grpc.insecure_channel(service.address, options=options) as channel:
+    with tls.channel(service.address, options=options) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if not service.is_running():
@@ -128,12 +135,20 @@ class ClusterPorts:
 DEFAULT_PORTS = ClusterPorts(router=50051, http=8000, prefill=50052, decode=50053)
 
 
+def new_cluster_env() -> dict[str, str]:
+    """The environment every service of one local cluster shares: a fresh random KV handle key."""
+    return {KEY_ENV_VAR: secrets.token_hex(32)}
+
+
 @dataclass
 class LocalCluster:
-    """Router + prefill pods + decode pods on 127.0.0.1, each its own process."""
+    """Router + prefill pods + decode pods on 127.0.0.1, each its own process. Every service started
+    through it gets `env` (with the cluster's own KV handle key); pass it to pods started beside it."""
 
     with_metrics: bool = False  # give every service a Prometheus port (ServiceProcess.metrics_url)
     services: list[ServiceProcess] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=new_cluster_env)
+    client_tls: TlsConfig = TlsConfig()  # how this side (health waits) connects to the services
 
     @property
     def router(self) -> ServiceProcess:
@@ -157,9 +172,13 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         timeout_s: float = DEFAULT_START_TIMEOUT_S,
         ports: ClusterPorts = ClusterPorts(),
+        client_tls: TlsConfig = TlsConfig(),
     ) -> "LocalCluster":
-        """The router always serves the HTTP API too (ServiceProcess.http_url)."""
-        cluster = cls(with_metrics=with_metrics)
+        """The router always serves the HTTP API too (ServiceProcess.http_url). client_tls: the TLS
+        settings the health waits connect with, when the services' flags turn TLS on."""
+        cluster = cls(with_metrics=with_metrics, client_tls=client_tls)
+        cluster.env.update(env or {})
+        env = cluster.env
         try:
             prefill = [cluster._start(f"prefill-{i}", "prefill_svc", [*pod_args, *prefill_args], log_dir, env,
                                       _nth_port(ports.prefill, i)) for i in range(num_prefill)]
@@ -171,7 +190,7 @@ class LocalCluster:
             router = cluster._start("router", "router", [*routing, *router_args], log_dir, env, ports.router)
             router.http_url = f"http://{HOST}:{http_port}/v1"
             for service in cluster.services:
-                wait_serving(service, timeout_s)
+                wait_serving(service, timeout_s, cluster.client_tls)
         except BaseException:
             cluster.stop()
             raise

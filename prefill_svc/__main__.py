@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -10,6 +11,7 @@ from prefill_svc.flags import build_arg_parser, pod_config
 from prefill_svc.servicer import PrefillServicer
 from proto.pdserve.v1 import prefill_pb2_grpc
 from shared.engine.kv_transfer.connector import KVRole
+from shared.serving.handle_key import handle_key_from_args
 from shared.serving.kv_events import kv_event_service
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.pod_server import run_pod
@@ -21,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_arg_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(levelname)s %(name)s: %(message)s")
     try:
-        config = pod_config(args)
+        config = dataclasses.replace(pod_config(args), kv_handle_key=handle_key_from_args(args, os.environ))
     except ValueError as exc:
         sys.exit(f"pdserve prefill: {exc}")
     servicer = PrefillServicer(ServiceMetrics())

@@ -141,7 +141,7 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
 
     async def ReleaseKv(self, request: prefill_pb2.ReleaseKvRequest, context):
         await self.require_pod(context)
-        intact = self.pod.connector.release(request.request_id, request.engine_id)
+        intact = self.pod.connector.release(request.request_id, request.engine_id, request.prompt_digest)
         if request.engine_id == self.pod.engine_id:
             self._end_hold_span(request.request_id, HOLD_RELEASED if intact else HOLD_EXPIRED)
         span = trace.get_current_span()

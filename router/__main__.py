@@ -17,6 +17,7 @@ from router.metrics import RouterMetrics
 from router.servicer import RouterServicer
 from shared.serving.text import TextCodec
 from router.workers import WorkerPool
+from shared.serving.api_auth import BearerTokenInterceptor
 from shared.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServerOptions
 from shared.serving.http_api import HttpFront, HttpServer
 from shared.serving.metrics import start_metrics_server
@@ -30,7 +31,10 @@ PREFILL_SERVICE = "pdserve.v1.PrefillService"
 DECODE_SERVICE = "pdserve.v1.DecodeService"
 
 
-async def run(config: RouterConfig, *, env: dict[str, str], codec: TextCodec | None = None) -> None:
+async def run(
+    config: RouterConfig, *, env: dict[str, str], codec: TextCodec | None = None, api_token: str | None = None
+) -> None:
+    """api_token: the bearer token Generate callers must send, if any."""
     tracing = setup_tracing(
         TracingConfig.from_flags_and_env(env, default_service_name="pdserve-router", otlp_endpoint=config.otlp_endpoint)
     )
@@ -39,9 +43,12 @@ async def run(config: RouterConfig, *, env: dict[str, str], codec: TextCodec | N
     metrics_server = (
         start_metrics_server(registry, config.host, config.metrics_port) if config.metrics_port is not None else None
     )
+    interceptors = list(tracing.server_interceptors())
+    if api_token is not None:
+        interceptors.append(BearerTokenInterceptor(api_token))
     server = GrpcServer(
-        ServerOptions(host=config.host, port=config.port, grace_seconds=config.grace_seconds),
-        interceptors=tracing.server_interceptors(),
+        ServerOptions(host=config.host, port=config.port, grace_seconds=config.grace_seconds, tls=config.tls),
+        interceptors=interceptors,
     )
 
     async def update_health() -> None:
@@ -62,10 +69,13 @@ async def run(config: RouterConfig, *, env: dict[str, str], codec: TextCodec | N
         ],
         interceptors=tracing.client_interceptors(),
         on_poll=update_health,
+        tls=config.tls,
     )
     # Each router replica follows every pod's KV events itself: same events, same index.
     kv_index = KvIndex(config.kv_index_max_blocks) if config.needs_kv_index else None
-    subscriptions = KvEventSubscriptions(kv_index, pool_wiring["channel_options"]) if kv_index is not None else None
+    subscriptions = (
+        KvEventSubscriptions(kv_index, pool_wiring["channel_options"], tls=config.tls) if kv_index is not None else None
+    )
     prefill = WorkerPool(
         "prefill", config.prefill, prefill_pb2_grpc.PrefillServiceStub, PREFILL_SERVICE, config.pool,
         client_class=lambda channel: PrefillClient(channel, config.prefill_client), **pool_wiring,
@@ -81,7 +91,7 @@ async def run(config: RouterConfig, *, env: dict[str, str], codec: TextCodec | N
         front = HttpFront(
             servicer.Generate, model_name=served_model_name(config), codec=lambda: codec,
             registry=registry, is_ready=lambda: prefill.has_healthy and decode.has_healthy,
-            max_model_len=lambda: servicer.max_model_len,
+            max_model_len=lambda: servicer.max_model_len, api_key=api_token,
         )
         http = HttpServer(front.app, config.host, config.http.http_port)
         server.on_shutdown(http.stop)
@@ -128,10 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = RouterConfig.from_args(args)
         codec = TextCodec.from_path(config.tokenizer_path) if config.tokenizer_path else None
+        api_token = config.auth.load(os.environ)
     except ValueError as exc:
         print(f"router: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(run(config, env=dict(os.environ), codec=codec))
+    asyncio.run(run(config, env=dict(os.environ), codec=codec, api_token=api_token))
     return 0
 
 

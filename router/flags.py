@@ -5,8 +5,10 @@ import argparse
 from dataclasses import dataclass, field
 
 from shared.serving.http_api import HttpConfig
+from shared.serving.api_auth import ApiAuthConfig
 from shared.serving.prefill_client import PrefillClientConfig
 from shared.serving.settings import add_flags, config_from_args, setting, settings_group
+from shared.serving.tls import TlsConfig
 
 from router.kv_index import DEFAULT_MAX_BLOCKS_PER_POD
 from router.policy import DisaggregationRule, KvWeights
@@ -133,6 +135,8 @@ class RouterConfig:
     pool: PoolConfig = field(default_factory=PoolConfig, metadata=settings_group())
     prefill_client: PrefillClientConfig = field(default_factory=PrefillClientConfig, metadata=settings_group())
     http: HttpConfig = field(default_factory=HttpConfig, metadata=settings_group())
+    tls: TlsConfig = field(default_factory=TlsConfig, metadata=settings_group())
+    auth: ApiAuthConfig = field(default_factory=ApiAuthConfig, metadata=settings_group())
     kv_weights: KvWeights = field(default_factory=KvWeights, metadata=settings_group())
     disaggregation: DisaggregationRule = field(default_factory=DisaggregationRule, metadata=settings_group())
     kv_index_max_blocks: int = field(default=DEFAULT_MAX_BLOCKS_PER_POD, metadata=setting(

@@ -11,6 +11,7 @@ import grpc
 from proto.pdserve.v1 import kv_events_pb2, kv_events_pb2_grpc
 from router.kv_index import KvIndex
 from shared.serving import convert
+from shared.serving.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -20,8 +21,9 @@ RETRY_INTERVAL_S = 1.0
 
 class KvEventSubscriptions:
     def __init__(self, index: KvIndex, channel_options: Sequence[tuple[str, Any]] = (),
-                 retry_interval_s: float = RETRY_INTERVAL_S):
+                 retry_interval_s: float = RETRY_INTERVAL_S, tls: TlsConfig = TlsConfig()):
         self._index = index
+        self._tls = tls  # how the streams to the pods connect
         self._channel_options = list(channel_options)
         self._retry_interval_s = retry_interval_s
         self._tasks: dict[str, asyncio.Task] = {}
@@ -43,7 +45,7 @@ class KvEventSubscriptions:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _follow(self, address: str) -> None:
-        channel = grpc.aio.insecure_channel(address, options=self._channel_options)
+        channel = self._tls.aio_channel(address, options=self._channel_options)
         stub = kv_events_pb2_grpc.KvEventServiceStub(channel)
         try:
             while True:

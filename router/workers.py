@@ -18,6 +18,7 @@ from proto.pdserve.v1 import common_pb2
 from router.flags import PoolConfig, WorkerSpec, format_address
 from router.policy import WorkerView
 from shared.serving import convert, wire
+from shared.serving.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class WorkerPool:
         interceptors: Sequence[Any] = (),  # client interceptors of the request calls (e.g. tracing)
         resolver: Resolver = resolve_dns,
         on_poll: Callable[[], Awaitable[None]] | None = None,
+        tls: TlsConfig = TlsConfig(),
     ):
         self.tier = tier
         self.specs = tuple(specs)
@@ -74,6 +76,7 @@ class WorkerPool:
         self._interceptors = list(interceptors)
         self._resolver = resolver
         self._on_poll = on_poll
+        self._tls = tls  # the channels to workers speak TLS when it holds a certificate or CA
         self._workers: dict[str, _Worker] = {}
         self._last_resolved: dict[WorkerSpec, list[str]] = {}
         self._tasks: list[asyncio.Task] = []
@@ -124,10 +127,10 @@ class WorkerPool:
         for address in addresses:
             if address not in self._workers:
                 options = self._channel_options
-                channel = grpc.aio.insecure_channel(address, options=options, interceptors=self._interceptors or None)
+                channel = self._tls.aio_channel(address, options=options, interceptors=self._interceptors or None)
                 probe_channel = channel
                 if self._interceptors:
-                    probe_channel = grpc.aio.insecure_channel(address, options=options)
+                    probe_channel = self._tls.aio_channel(address, options=options)
                 self._workers[address] = _Worker(
                     address, channel, self._client_class(channel), probe_channel, self._stub_class(probe_channel),
                     health_pb2_grpc.HealthStub(probe_channel),

@@ -8,6 +8,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
+from raw_grpc import GARBAGE, call_with_raw_bytes
 from shared.serving.grpc_server import GrpcServer, ServerOptions
 
 pytestmark = pytest.mark.e2e
@@ -140,3 +141,38 @@ def test_bad_options_are_rejected():
         ServerOptions(port=70000)
     with pytest.raises(ValueError, match="grace_seconds"):
         ServerOptions(grace_seconds=-1)
+
+
+# (method path, streams its response, streams its request)
+SERVER_METHODS = [
+    (f"/{SERVICE}/Generate", True, False),
+    ("/grpc.health.v1.Health/Check", False, False),
+    ("/grpc.health.v1.Health/Watch", True, False),
+    ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", True, True),
+]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("method,is_stream_response,is_stream_request", SERVER_METHODS)
+def test_malformed_bytes_get_invalid_argument_and_one_log_line(method, is_stream_response, is_stream_request,
+                                                                 caplog):
+    async def scenario():
+        server = make_server()
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                with caplog.at_level("WARNING", logger="shared.serving.grpc_server"):
+                    error = await call_with_raw_bytes(
+                        channel, method, is_stream_response, is_stream_request, GARBAGE
+                    )
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+                assert "malformed request message" in error.details() and method in error.details()
+                # The server still answers well-formed calls.
+                health = health_pb2_grpc.HealthStub(channel)
+                assert await check(health) == NOT_SERVING
+        finally:
+            await server.stop(0)
+
+    asyncio.run(scenario())
+    logged = [r for r in caplog.records if r.name == "shared.serving.grpc_server" and "malformed" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is None

@@ -29,10 +29,10 @@ REFLECTION = "grpc.reflection.v1alpha.ServerReflection"
 GRACE_S = 30.0
 
 
-def _start_pod(name: str, module: str, log_dir, extra_args=()) -> ServiceProcess:
+def _start_pod(name: str, module: str, log_dir, env: dict[str, str], extra_args=()) -> ServiceProcess:
     port = free_port()
     args = ["--host", HOST, "--port", str(port), *MODEL_ARGS, "--grace-seconds", str(GRACE_S), *extra_args]
-    return start_service(name, module, args, address=f"{HOST}:{port}", log_dir=log_dir)
+    return start_service(name, module, args, address=f"{HOST}:{port}", log_dir=log_dir, env=env)
 
 
 def _health_answers_until_serving(service: ServiceProcess, service_name: str, timeout_s: float = 90.0) -> list[int]:
@@ -81,8 +81,8 @@ def pods(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("logs")
     cluster = LocalCluster()
     try:
-        cluster.services.append(_start_pod("prefill-0", "prefill_svc", log_dir))
-        cluster.services.append(_start_pod("decode-0", "decode_svc", log_dir))
+        cluster.services.append(_start_pod("prefill-0", "prefill_svc", log_dir, cluster.env))
+        cluster.services.append(_start_pod("decode-0", "decode_svc", log_dir, cluster.env))
         yield cluster, log_dir
     finally:
         cluster.stop()

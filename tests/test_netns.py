@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.launcher import new_cluster_env
+
 REPO = Path(__file__).resolve().parents[1]
 SUBNET = "10.213.7"  # private, and only ever assigned inside the namespaces created here
 ADDRESSES = {"router": f"{SUBNET}.1", "prefill": f"{SUBNET}.2", "decode": f"{SUBNET}.3"}
@@ -66,6 +68,7 @@ class Lab:
         self.logs: dict[str, Path] = {}
         self._created: list[str] = []
         self._num_starts = 0
+        self.env = new_cluster_env()  # the KV handle key the pods of this system share
         try:
             self._build(suffix)
         except BaseException:
@@ -109,7 +112,7 @@ class Lab:
         self._num_starts += 1
         log = self.root / f"{self._num_starts:02d}-{tier}.log"
         self.logs[tier] = log
-        env = {**os.environ, "PYTHONPATH": str(REPO), "UCX_TLS": "tcp,self,sm"}
+        env = {**os.environ, **self.env, "PYTHONPATH": str(REPO), "UCX_TLS": "tcp,self,sm"}
         with open(log, "w") as handle:
             self.processes[tier] = subprocess.Popen(
                 ["ip", "netns", "exec", self.namespaces[tier], sys.executable, "-m", "pdserve.cli", *args],

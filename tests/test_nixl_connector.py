@@ -8,8 +8,12 @@ import dataclasses
 
 import pytest
 
+from shared.engine.kv_cache.hashing import prompt_digest
 from shared.engine.kv_transfer.connector import KVConnectorBase, KVLoadFailurePolicy, KVRole
-from shared.engine.kv_transfer.handle import KvLayout, KvPullOutcome, KvSource
+from shared.engine.kv_transfer.handle import (
+    KvHandleNotAuthentic, KvHandleOtherPrompt, KvLayout, KvPullOutcome, KvSource,
+)
+from shared.engine.kv_transfer.handle_signing import HandleSigner
 from shared.engine.kv_transfer.handoff import HoldForPeer, PullFromPeer
 from shared.engine.kv_transfer.nixl_consumer import NixlConsumer
 from shared.engine.kv_transfer.nixl_producer import NixlProducer
@@ -34,6 +38,8 @@ def clock():
     return Clock()
 
 
+# The digest of _finished_prefill's default prompt: what an honest decode pod confirms with.
+PROMPT_DIGEST = prompt_digest(list(range(3, 43)), LAYOUT.block_size)
 SOURCE = KvSource("prefill-agent", b"", "DRAM", regions=(), block_bytes=1024, num_blocks=64)
 
 
@@ -81,12 +87,12 @@ def test_producer_frees_at_once_when_no_decode_follows(clock, status, do_remote_
 def test_release_is_intact_only_within_the_lease_and_for_the_same_engine(clock):
     connector = _producer(clock, lease_s=5.0)
     connector.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [1, 2, 3])
-    assert connector.release("r1", "kv_producer-other") is False  # a restarted engine's id
+    assert connector.release("r1", "kv_producer-other", PROMPT_DIGEST) is False  # a restarted engine's id
     assert connector.num_held_blocks == 3
     clock.now += 4.9
-    assert connector.release("r1", "kv_producer-1") is True
+    assert connector.release("r1", "kv_producer-1", PROMPT_DIGEST) is True
     assert connector.get_finished(set()) == ({"r1"}, None)  # the scheduler frees the blocks now
-    assert connector.release("r1", "kv_producer-1") is False  # released once only
+    assert connector.release("r1", "kv_producer-1", PROMPT_DIGEST) is False  # released once only
 
 
 def test_expired_lease_frees_the_hold_and_a_late_release_is_not_intact(clock):
@@ -96,13 +102,13 @@ def test_expired_lease_frees_the_hold_and_a_late_release_is_not_intact(clock):
     clock.now += 5.0
     assert connector.get_finished(set()) == ({"r1"}, None)
     assert connector.num_lease_expiries == 1
-    assert connector.release("r1", "kv_producer-1") is False
+    assert connector.release("r1", "kv_producer-1", PROMPT_DIGEST) is False
 
 
 def _decode_request(handle) -> Request:
     prompt = list(range(3, 3 + handle.num_tokens))
     return Request("r1", prompt + [99], SamplingParams(max_tokens=4), eos_token_id=2,
-                   kv_transfer_params=PullFromPeer(handle, SOURCE))
+                   kv_transfer_params=PullFromPeer(handle, SOURCE, handle.prompt_digest))
 
 
 def _handle(clock: Clock):
@@ -134,7 +140,7 @@ def test_precheck_says_why_a_handle_cannot_be_pulled(clock, change, outcome):
 
 def test_consumer_with_the_whole_prompt_cached_reads_nothing(clock):
     consumer = _consumer(clock)
-    consumer.release_remote = lambda handle, request_id: None
+    consumer.release_remote = lambda handle, request_id, digest: None
     handle = _handle(clock)
     assert consumer.get_num_new_matched_tokens(_decode_request(handle), 48) == (0, False)
     stats = consumer.pop_pull_stats("r1")
@@ -154,7 +160,8 @@ def test_the_base_contract_means_nothing_to_transfer():
 
 
 def test_handoff_params_are_immutable(clock):
-    params = PullFromPeer(_handle(clock), SOURCE)
+    handle = _handle(clock)
+    params = PullFromPeer(handle, SOURCE, handle.prompt_digest)
     with pytest.raises(dataclasses.FrozenInstanceError):
         params.handle = None
     assert HoldForPeer() == HoldForPeer()
@@ -176,7 +183,7 @@ def test_producer_has_pending_work_while_a_hold_is_open_or_unreported(clock):
     assert producer.has_pending_work() is False
     producer.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [1, 2, 3])
     assert producer.has_pending_work() is True
-    assert producer.release("r1", "kv_producer-1") is True
+    assert producer.release("r1", "kv_producer-1", PROMPT_DIGEST) is True
     assert producer.has_pending_work() is True  # released, but the scheduler has not freed the blocks yet
     assert producer.get_finished(set()) == ({"r1"}, None)
     assert producer.has_pending_work() is False
@@ -235,3 +242,67 @@ def test_an_abort_after_the_step_that_made_the_hold_frees_the_blocks_at_once():
     assert connector.num_held_blocks == 0
     assert engine.num_free_blocks == engine.num_total_blocks
     connector.shutdown()
+
+
+KEY = b"k" * 32
+
+
+def test_producer_binds_the_hold_to_its_prompt_and_signs_the_handle(clock):
+    producer = _producer(clock, lease_s=5.0, signer=HandleSigner(KEY))
+    _, handle = producer.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [1, 2, 3])
+    assert handle.prompt_digest == PROMPT_DIGEST
+    assert HandleSigner(KEY).is_authentic(handle)
+    assert not HandleSigner(b"x" * 32).is_authentic(handle)  # another deployment's key
+
+
+def test_release_for_another_prompt_is_not_intact(clock):
+    producer = _producer(clock, lease_s=5.0)
+    producer.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [1, 2, 3])
+    other = prompt_digest(list(range(4, 44)), LAYOUT.block_size)
+    assert producer.release("r1", "kv_producer-1", other) is False
+    # The hold ended (its blocks go back to the pool); nobody can confirm it afterwards.
+    assert producer.get_finished(set()) == ({"r1"}, None)
+    assert producer.release("r1", "kv_producer-1", PROMPT_DIGEST) is False
+
+
+def test_release_without_a_digest_abandons_the_hold(clock):
+    producer = _producer(clock, lease_s=5.0)
+    producer.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [1, 2, 3])
+    assert producer.release("r1", "kv_producer-1") is False
+    assert producer.num_held_blocks == 0
+
+
+@pytest.mark.parametrize("field,value", [
+    ("block_ids", (1, 2, 4)), ("num_tokens", 41), ("lease_deadline_unix_ms", 10**15), ("engine_id", "kv_producer-2"),
+    ("source_address", "10.0.0.1:1"), ("prompt_digest", b"\0" * 32), ("signature", b""),
+    ("layout", dataclasses.replace(LAYOUT, model_name="other@0")),
+])
+def test_consumer_refuses_a_tampered_handle_before_reading(clock, field, value):
+    signer = HandleSigner(KEY)
+    producer = _producer(clock, lease_s=5.0, signer=signer)
+    _, handle = producer.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [1, 2, 3])
+    consumer = NixlConsumer(engine_id="kv_consumer-1", layout=LAYOUT, agent=_agent(), clock=clock, signer=signer)
+    consumer.check_handle(handle, PROMPT_DIGEST)  # the honest handle passes
+    with pytest.raises(KvHandleNotAuthentic):
+        consumer.check_handle(dataclasses.replace(handle, **{field: value}), PROMPT_DIGEST)
+
+
+def test_consumer_refuses_an_authentic_handle_for_another_prompt(clock):
+    signer = HandleSigner(KEY)
+    producer = _producer(clock, lease_s=5.0, signer=signer)
+    _, handle = producer.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [1, 2, 3])
+    consumer = NixlConsumer(engine_id="kv_consumer-1", layout=LAYOUT, agent=_agent(), clock=clock, signer=signer)
+    with pytest.raises(KvHandleOtherPrompt):
+        consumer.check_handle(handle, prompt_digest(list(range(4, 44)), LAYOUT.block_size))
+
+
+def test_prompt_digest_covers_the_partial_last_block():
+    base = list(range(3, 43))
+    assert prompt_digest(base, 16) == prompt_digest(list(base), 16)
+    assert prompt_digest(base, 16) != prompt_digest(base[:-1] + [0], 16)
+    assert prompt_digest(base, 16) != prompt_digest(base + [1], 16)
+
+
+def test_a_short_handle_key_is_refused():
+    with pytest.raises(ValueError, match="at least"):
+        HandleSigner(b"short")

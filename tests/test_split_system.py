@@ -265,7 +265,7 @@ def test_policy_fail_ends_the_request_with_a_clear_status_instead_of_recomputing
     strict = start_service(
         "decode-fail", "decode_svc",
         ["--host", "127.0.0.1", "--port", str(port), *MODEL_ARGS, "--kv-load-failure-policy", "fail"],
-        address=f"127.0.0.1:{port}", log_dir=tmp_path,
+        address=f"127.0.0.1:{port}", log_dir=tmp_path, env=cluster.env,
     )
     try:
         wait_serving(strict)

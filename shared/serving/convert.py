@@ -169,6 +169,8 @@ def kv_handle_to_proto(handle: KvHandle) -> common_pb2.KvHandle:
         block_size=_check_uint("handle.block_size", handle.block_size),
         layout=kv_layout_to_proto(handle.layout),
         lease_deadline_unix_ms=_check_uint("handle.lease_deadline_unix_ms", handle.lease_deadline_unix_ms, UINT64_MAX),
+        prompt_digest=handle.prompt_digest,
+        signature=handle.signature,
     )
 
 
@@ -187,6 +189,8 @@ def kv_handle_from_proto(message: common_pb2.KvHandle) -> KvHandle:
         block_size=message.block_size,
         layout=kv_layout_from_proto(message.layout),
         lease_deadline_unix_ms=message.lease_deadline_unix_ms,
+        prompt_digest=message.prompt_digest,
+        signature=message.signature,
     )
 
 

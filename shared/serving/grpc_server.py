@@ -1,7 +1,8 @@
 """One place for running a pdserve gRPC service: grpc.aio server with message-size limits, standard health
 (readiness: the overall status "", NOT_SERVING until the owner says ready; liveness: the "liveness" service,
-SERVING while the process works), reflection, interceptors, unexpected-exception -> INTERNAL mapping, and
-graceful shutdown on SIGTERM/SIGINT within one deadline.
+SERVING while the process works), reflection, interceptors, malformed-message -> INVALID_ARGUMENT and
+unexpected-exception -> INTERNAL mapping, optional TLS, and graceful shutdown on SIGTERM/SIGINT within one
+deadline.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from typing import Any, Callable, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from shared.serving.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +37,7 @@ class ServerOptions:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_seconds: float = 5.0
     max_concurrent_rpcs: int | None = None
+    tls: TlsConfig = TlsConfig()  # plain text unless it holds a certificate
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -57,6 +61,64 @@ class ServerOptions:
         ]
 
 
+# ---- malformed request bytes -> INVALID_ARGUMENT ----------------------------------------------
+# grpc aio answers a request deserializer that raises with UNKNOWN and a traceback in the log. So the
+# deserializer returns a marker instead, and the handler wrapper turns it into INVALID_ARGUMENT.
+
+
+@dataclass(frozen=True)
+class _Malformed:
+    """Stands for request bytes that did not parse."""
+
+    num_bytes: int
+    error: str
+
+
+class _MalformedRequest(Exception):
+    """A streamed request message did not parse (raised from the wrapped request iterator)."""
+
+    def __init__(self, malformed: _Malformed):
+        super().__init__(malformed.error)
+        self.malformed = malformed
+
+
+def _tolerant_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:  # noqa: BLE001 - any parse failure means the caller sent bad bytes
+            return _Malformed(len(data), str(exc) or type(exc).__name__)
+
+    return parse
+
+
+async def _checked_iterator(request_iterator):
+    async for message in request_iterator:
+        if isinstance(message, _Malformed):
+            raise _MalformedRequest(message)
+        yield message
+
+
+def _checked_request(request_or_iterator):
+    """The request itself (raising _MalformedRequest if it did not parse), or a checking iterator."""
+    if isinstance(request_or_iterator, _Malformed):
+        raise _MalformedRequest(request_or_iterator)
+    if hasattr(request_or_iterator, "__aiter__"):
+        return _checked_iterator(request_or_iterator)
+    return request_or_iterator
+
+
+async def _abort_malformed(context: grpc.aio.ServicerContext, method: str, malformed: _Malformed) -> None:
+    logger.warning("malformed request to %s (%d bytes): %s", method, malformed.num_bytes, malformed.error)
+    await context.abort(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"malformed request message for {method}: the bytes do not parse ({malformed.error})",
+    )
+
+
 # ---- unexpected exceptions -> INTERNAL --------------------------------------------------------
 
 _PASS_THROUGH = (asyncio.CancelledError, grpc.aio.AbortError)
@@ -70,9 +132,11 @@ async def _abort_internal(context: grpc.aio.ServicerContext, method: str, exc: B
 def _wrap_unary_response(behavior: Callable, method: str) -> Callable:
     async def wrapper(request_or_iterator, context):
         try:
-            return await behavior(request_or_iterator, context)
+            return await behavior(_checked_request(request_or_iterator), context)
         except _PASS_THROUGH:
             raise
+        except _MalformedRequest as exc:
+            await _abort_malformed(context, method, exc.malformed)
         except Exception as exc:  # noqa: BLE001 - this is the one place unexpected errors are mapped
             await _abort_internal(context, method, exc)
 
@@ -84,43 +148,52 @@ def _wrap_stream_response(behavior: Callable, method: str) -> Callable:
 
         async def generator_wrapper(request_or_iterator, context):
             try:
-                async for response in behavior(request_or_iterator, context):
+                async for response in behavior(_checked_request(request_or_iterator), context):
                     yield response
             except _PASS_THROUGH:
                 raise
+            except _MalformedRequest as exc:
+                await _abort_malformed(context, method, exc.malformed)
             except Exception as exc:  # noqa: BLE001
                 await _abort_internal(context, method, exc)
 
         return generator_wrapper
-    # A coroutine that writes with context.write() (or a sync iterator, left untouched).
+    # A coroutine that writes with context.write(); a sync iterator is left to grpc.
     if inspect.iscoroutinefunction(behavior):
         return _wrap_unary_response(behavior, method)
     return behavior
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Logs any exception a handler lets escape and ends the call with INTERNAL instead of UNKNOWN."""
+    """Ends a call whose request bytes do not parse with INVALID_ARGUMENT (one log line), and one whose
+    handler lets an exception escape with INTERNAL (logged with its traceback), instead of UNKNOWN."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method
-        kwargs = dict(
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_wrap_unary_response(handler.unary_unary, method), **kwargs)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(_wrap_unary_response(handler.stream_unary, method), **kwargs)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_wrap_stream_response(handler.unary_stream, method), **kwargs)
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream_response(handler.stream_stream, method), **kwargs
+        for kind, wrap, make_handler in _HANDLER_KINDS:
+            behavior = getattr(handler, kind)
+            if behavior is None:
+                continue
+            wrapped = wrap(behavior, method)
+            if wrapped is behavior:
+                return handler  # not ours to wrap (a sync iterator): grpc's own handling stays
+            return make_handler(
+                wrapped,
+                request_deserializer=_tolerant_deserializer(handler.request_deserializer),
+                response_serializer=handler.response_serializer,
             )
         return handler
+
+
+_HANDLER_KINDS = (
+    ("unary_unary", _wrap_unary_response, grpc.unary_unary_rpc_method_handler),
+    ("stream_unary", _wrap_unary_response, grpc.stream_unary_rpc_method_handler),
+    ("unary_stream", _wrap_stream_response, grpc.unary_stream_rpc_method_handler),
+    ("stream_stream", _wrap_stream_response, grpc.stream_stream_rpc_method_handler),
+)
 
 
 # ---- the server -------------------------------------------------------------------------------
@@ -192,8 +265,13 @@ class GrpcServer:
         reflection.enable_server_reflection(
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
         )
+        credentials = self.options.tls.server_credentials()
+        target = f"{self.options.host}:{self.options.port}"
         try:
-            port = server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+            if credentials is None:
+                port = server.add_insecure_port(target)
+            else:
+                port = server.add_secure_port(target, credentials)
         except RuntimeError as exc:
             raise OSError(f"cannot bind {self.options.host}:{self.options.port}: {exc}") from None
         if port == 0:
@@ -202,7 +280,10 @@ class GrpcServer:
         await self._health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await server.start()
         self._server, self._port = server, port
-        logger.info("gRPC server listening on %s:%d (%s)", self.options.host, port, ", ".join(self.service_names))
+        logger.info(
+            "gRPC server listening on %s:%d (%s; %s)", self.options.host, port, ", ".join(self.service_names),
+            ("mTLS" if self.options.tls.tls_ca else "TLS") if credentials is not None else "plain text",
+        )
         return port
 
     async def set_serving(self, is_serving: bool) -> None:

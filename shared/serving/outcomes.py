@@ -50,6 +50,10 @@ class KvUnusable(CallError):
     """The handle's KV cannot be used and the kv-load-failure policy says fail instead of recompute."""
 
 
+class HandleNotAuthentic(CallError):
+    """The KV handle was not minted by a prefill pod of this deployment (its signature does not verify)."""
+
+
 # The one mapping from an error to (status code, outcome label). KvUnusable is FAILED_PRECONDITION:
 # the KV the request names is not known good, and the pod's policy forbids recomputing it, so the
 # same call cannot succeed anywhere until the caller prefills afresh. UNAVAILABLE would tell the
@@ -61,6 +65,7 @@ STATUS_TABLE: dict[type[CallError], tuple[grpc.StatusCode, str]] = {
     PodOverloaded: (grpc.StatusCode.RESOURCE_EXHAUSTED, OVERLOADED),
     PodUnavailable: (grpc.StatusCode.UNAVAILABLE, ERROR),
     KvUnusable: (grpc.StatusCode.FAILED_PRECONDITION, ERROR),
+    HandleNotAuthentic: (grpc.StatusCode.PERMISSION_DENIED, INVALID),
 }
 
 # The outcome label of a call that ended with a status code (the router sees codes, not errors).

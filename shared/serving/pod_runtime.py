@@ -13,6 +13,7 @@ from shared.engine.llm_engine import LLMEngine
 from shared.serving.engine_thread import EngineLoop, RequestStream
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
 from shared.engine.kv_transfer.handle import KvLayout
+from shared.engine.kv_transfer.handle_signing import HandleSigner
 from shared.engine.kv_transfer.nixl_connector import NixlConnector
 from shared.engine.kv_transfer.nixl_consumer import NixlConsumer
 from shared.engine.kv_transfer.nixl_producer import NixlProducer
@@ -20,7 +21,8 @@ from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
 from shared.engine.model.loader import DTYPE_AUTO, DTYPE_CHOICES, load_model
 from shared.engine.request import Request
 from shared.serving.outcomes import InvalidRequest, PodOverloaded
-from shared.serving.settings import engine_settings, setting
+from shared.serving.settings import engine_settings, setting, settings_group
+from shared.serving.tls import TlsConfig
 
 
 def serving_scheduler_config() -> SchedulerConfig:
@@ -84,6 +86,9 @@ class PodConfig:
     device: str = field(default="cpu", metadata=setting(
         "where the model and the KV pool live: cpu or cuda[:N] (NIXL then reads device memory)"
     ))
+    tls: TlsConfig = field(default_factory=TlsConfig, metadata=settings_group())
+    # Signs and checks KV handles (shared/serving/handle_key.py says where it comes from); None: unsigned.
+    kv_handle_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_requests_in_flight < 1:
@@ -142,6 +147,7 @@ class Pod:
             layout=self.layout,
             agent=KvTransferAgent(KvTransferAgent.unique_name(role.value)),
             load_failure_policy=config.kv_load_failure_policy,
+            signer=HandleSigner(config.kv_handle_key),
         )
         if role is KVRole.PRODUCER:
             return NixlProducer(source_address=config.advertise_address, lease_s=config.lease_s, **common)

@@ -14,8 +14,10 @@ import grpc
 from opentelemetry import context as otel_context
 
 from shared.serving.engine_thread import RequestTimeline
+from shared.serving.api_auth import BearerTokenInterceptor
 from shared.serving.grpc_server import GrpcServer, ServerOptions
 from shared.serving.http_api import HttpServer
+from shared.serving.handle_key import add_handle_key_flags
 from shared.engine.kv_transfer.connector import KVRole
 from shared.serving.cpu_limit import default_num_threads
 from shared.serving.metrics import ServiceMetrics, start_metrics_server
@@ -56,6 +58,8 @@ def add_pod_flags(parser: argparse.ArgumentParser, *, default_port: int, role: K
     )
     other_roles = {KVRole.PRODUCER: CONSUMER_SETTINGS, KVRole.CONSUMER: PRODUCER_SETTINGS}
     add_flags(parser, PodConfig, exclude=other_roles.get(role, PRODUCER_SETTINGS + CONSUMER_SETTINGS))
+    if role is not None:
+        add_handle_key_flags(parser)
 
 
 def pod_config_from_args(args: argparse.Namespace) -> PodConfig:
@@ -190,10 +194,12 @@ async def run_pod(
     service_name: str,
     services: Sequence[tuple[Callable, PodServicer, str]],
     http: HttpServer | None = None,
+    api_token: str | None = None,
 ) -> None:
     """Serve (health NOT_SERVING) while the pod loads, then SERVING until SIGTERM/SIGINT. Then:
     NOT_SERVING, refuse new work, let requests in flight finish (grace period), stop the pod.
-    http: an HTTP front served beside the gRPC server (from the start; it answers 503 while loading)."""
+    http: an HTTP front served beside the gRPC server (from the start; it answers 503 while loading).
+    api_token: the bearer token the public API (a colocated pod's Generate) requires, if any."""
     tracing = setup_tracing(
         TracingConfig.from_flags_and_env(
             env,
@@ -204,9 +210,12 @@ async def run_pod(
     )
     # Load polls come every second from every router: tracing them would bury the request traces.
     untraced = (*DEFAULT_UNTRACED_METHOD_PREFIXES, *(f"/{name}/GetLoad" for _, _, name in services))
+    interceptors = list(tracing.server_interceptors(untraced))
+    if api_token is not None:
+        interceptors.append(BearerTokenInterceptor(api_token))
     server = GrpcServer(
-        ServerOptions(host=args.host, port=args.port, grace_seconds=args.grace_seconds),
-        interceptors=tracing.server_interceptors(untraced),
+        ServerOptions(host=args.host, port=args.port, grace_seconds=args.grace_seconds, tls=pod_config.tls),
+        interceptors=interceptors,
     )
     # UCX reads these when the NIXL agent starts, inside Pod(). Non-blocking connects: with UCX's default
     # blocking connect, a peer whose KV ports drop packets stalls the engine thread for the kernel's whole

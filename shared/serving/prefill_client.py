@@ -44,9 +44,9 @@ class PrefillClient:
         answer = await self._stub.GetKvSource(prefill_pb2.GetKvSourceRequest(), timeout=self._timeout_s)
         return convert.kv_source_from_proto(answer)
 
-    async def release_kv(self, request_id: str, engine_id: str) -> bool:
-        """Ends the hold; True when it was still intact (the pulled data is good)."""
-        answer = await self._stub.ReleaseKv(
-            prefill_pb2.ReleaseKvRequest(request_id=request_id, engine_id=engine_id), timeout=self._timeout_s
-        )
+    async def release_kv(self, request_id: str, engine_id: str, prompt_digest: bytes = b"") -> bool:
+        """Ends the hold; True when it was still intact and made for the prompt whose digest is given
+        (the data pulled for it is good). Without a digest the hold is abandoned."""
+        message = prefill_pb2.ReleaseKvRequest(request_id=request_id, engine_id=engine_id, prompt_digest=prompt_digest)
+        answer = await self._stub.ReleaseKv(message, timeout=self._timeout_s)
         return answer.intact

@@ -57,7 +57,7 @@ class KvLayout(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("engine_id", "source_address", "block_ids", "num_tokens", "block_size", "layout", "lease_deadline_unix_ms")
+    __slots__ = ("engine_id", "source_address", "block_ids", "num_tokens", "block_size", "layout", "lease_deadline_unix_ms", "prompt_digest", "signature")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,8 @@ class KvHandle(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     source_address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -72,7 +74,9 @@ class KvHandle(_message.Message):
     block_size: int
     layout: KvLayout
     lease_deadline_unix_ms: int
-    def __init__(self, engine_id: _Optional[str] = ..., source_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    prompt_digest: bytes
+    signature: bytes
+    def __init__(self, engine_id: _Optional[str] = ..., source_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class LoadReport(_message.Message):
     __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "num_held_blocks", "is_overloaded", "max_model_len")

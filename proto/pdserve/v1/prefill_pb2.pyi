@@ -74,12 +74,14 @@ class GetKvSourceResponse(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ...) -> None: ...
 
 class ReleaseKvRequest(_message.Message):
-    __slots__ = ("request_id", "engine_id")
+    __slots__ = ("request_id", "engine_id", "prompt_digest")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     engine_id: str
-    def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ...) -> None: ...
+    prompt_digest: bytes
+    def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseKvResponse(_message.Message):
     __slots__ = ("intact",)

@@ -60,3 +60,14 @@ def hash_block_tokens(
         parent_hash = hash_block(parent_hash, token_ids[start:start + block_size])
         hashes.append(parent_hash)
     return hashes
+
+
+def prompt_digest(token_ids: Sequence[int], block_size: int) -> bytes:
+    """One digest of a whole prompt: its blocks' chained hashes, the last partial block included, from
+    the unsalted root. Equal digests mean equal prompt tokens, so a KV hold is bound to its prompt."""
+    if not token_ids:
+        raise ValueError("a prompt digest needs at least one token")
+    parent = root_hash()
+    for start in range(0, len(token_ids), block_size):
+        parent = hash_block(parent, token_ids[start:start + block_size])
+    return parent

@@ -32,6 +32,10 @@ class KvHandle:
     block_size: int
     layout: KvLayout
     lease_deadline_unix_ms: int
+    # Binds the hold to its prompt (hashing.prompt_digest of the num_tokens prompt tokens).
+    prompt_digest: bytes = b""
+    # HMAC over every other field (handle_signing.py); empty from pods that run unsigned.
+    signature: bytes = b""
 
     def __post_init__(self) -> None:
         # The one check of a handle's shape: every handle that enters a pod is built here.
@@ -50,6 +54,14 @@ class KvHandle:
                 f"handle has {len(self.block_ids)} block ids but {self.num_tokens} tokens at block_size "
                 f"{self.block_size} need {num_needed}"
             )
+
+
+class KvHandleNotAuthentic(ValueError):
+    """A handle whose signature does not verify under the deployment's key: forged or altered."""
+
+
+class KvHandleOtherPrompt(ValueError):
+    """A handle (authentic or not) that was issued for another prompt than the request's."""
 
 
 class KvPullOutcome(enum.Enum):

@@ -20,7 +20,10 @@ class HoldForPeer(KvTransferParams):
 
 @dataclass(frozen=True)
 class PullFromPeer(KvTransferParams):
-    """Consumer: load the prompt's KV from the blocks a prefill pod holds under this handle."""
+    """Consumer: load the prompt's KV from the blocks a prefill pod holds under this handle.
+    prompt_digest is computed by the decode pod from the request's own prompt: the confirmation
+    sends it, so the hold is reported intact only for the prompt it was made for."""
 
     handle: KvHandle
     source: KvSource
+    prompt_digest: bytes

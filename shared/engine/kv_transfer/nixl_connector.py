@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from shared.engine.kv_transfer.connector import KVConnectorBase, KVLoadFailurePolicy, KVRole
 from shared.engine.kv_transfer.handle import KvLayout
+from shared.engine.kv_transfer.handle_signing import HandleSigner
 from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
 
 
@@ -29,12 +30,15 @@ class NixlConnector(KVConnectorBase):
         agent: KvTransferAgent,
         load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.RECOMPUTE,
         clock: Callable[[], float] = time.time,
+        signer: HandleSigner = HandleSigner(None),
     ):
         super().__init__(role, load_failure_policy)
         self.engine_id = engine_id
         self.layout = layout
         self.agent = agent
         self._clock = clock
+        # Signs the handles a producer mints; checks the ones a consumer is given.
+        self.signer = signer
         self._lock = threading.Lock()
         # Set by the composition root: wakes the engine loop when another thread changed the state.
         self.wake: Callable[[], None] = lambda: None

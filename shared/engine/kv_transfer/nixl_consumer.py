@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from shared.engine.kv_transfer.connector import KVConnectorMetadata, KVRole
-from shared.engine.kv_transfer.handle import KvHandle, KvPullOutcome, KvPullStats, KvSource
+from shared.engine.kv_transfer.handle import (
+    KvHandle, KvHandleNotAuthentic, KvHandleOtherPrompt, KvPullOutcome, KvPullStats, KvSource,
+)
 from shared.engine.kv_transfer.handoff import PullFromPeer
 from shared.engine.kv_transfer.nixl_connector import NixlConnector
 from shared.engine.kv_transfer.transfer_agent import KvTransfer, KvTransferError, TransferState
@@ -32,6 +34,7 @@ class _Pull:
     local_block_ids: list[int]
     remote_block_ids: list[int]
     num_cached_blocks: int
+    prompt_digest: bytes
     transfer: KvTransfer | None = None
     is_aborted: bool = False  # the request ended while its READ was in flight
     is_confirming: bool = False  # READ over (or abandoned), ReleaseKv asked
@@ -60,9 +63,21 @@ class NixlConsumer(NixlConnector):
         self._stats: dict[str, KvPullStats] = {}
         # Requests whose one pull attempt is decided: a resumed (preempted) request recomputes.
         self._resolved: set[str] = set()
-        # Set by the composition root: posts ReleaseKv(handle, request_id) off the engine thread and
-        # reports back through on_release_result.
-        self.release_remote: Callable[[KvHandle, str], None] | None = None
+        # Set by the composition root: posts ReleaseKv(handle, request_id, prompt_digest) off the
+        # engine thread and reports back through on_release_result.
+        self.release_remote: Callable[[KvHandle, str, bytes], None] | None = None
+
+    def check_handle(self, handle: KvHandle, prompt_digest: bytes) -> None:
+        """Refuse a handle no prefill pod of this deployment minted (KvHandleNotAuthentic), or one
+        minted for another prompt than the request's (KvHandleOtherPrompt). Asked where the handle
+        enters the pod, before anything is read with it."""
+        if not self.signer.is_authentic(handle):
+            raise KvHandleNotAuthentic(
+                "the KV handle's signature does not verify: it was not minted by a prefill pod sharing this "
+                "pod's handle key, or it was altered"
+            )
+        if handle.prompt_digest != prompt_digest:
+            raise KvHandleOtherPrompt("the KV handle was issued for another prompt than this request's")
 
     def pull_precheck(self, handle: KvHandle) -> KvPullOutcome | None:
         """Why a handle's KV cannot be used as it stands (None: it may be pulled). The decode
@@ -85,7 +100,7 @@ class NixlConsumer(NixlConnector):
         cached_blocks = num_computed_tokens // self.layout.block_size
         self._stats[request.request_id] = KvPullStats(0, 0, cached_blocks, 0.0, KvPullOutcome.PREFIX_CACHE_HIT)
         self._resolved.add(request.request_id)
-        self._release_remote(handle, request.request_id)
+        self._release_remote(handle, request.request_id, params.prompt_digest)
         return 0, False
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
@@ -105,6 +120,7 @@ class NixlConsumer(NixlConnector):
                 local_block_ids=list(block_ids[first:last]),
                 remote_block_ids=list(handle.block_ids[first:last]),
                 num_cached_blocks=first,
+                prompt_digest=params.prompt_digest,
             )
         )
 
@@ -176,7 +192,7 @@ class NixlConsumer(NixlConnector):
                     if state is TransferState.ERROR:
                         pull.error = pull.transfer.error or "transfer failed"
             pull.is_confirming = True
-            self._release_remote(pull.handle, pull.request_id)
+            self._release_remote(pull.handle, pull.request_id, pull.prompt_digest)
             if pull.is_aborted:
                 self._end_aborted(pull)
 
@@ -226,11 +242,11 @@ class NixlConsumer(NixlConnector):
         bad, self._bad_block_ids = self._bad_block_ids, set()
         return bad
 
-    def _release_remote(self, handle: KvHandle, request_id: str) -> None:
+    def _release_remote(self, handle: KvHandle, request_id: str, prompt_digest: bytes) -> None:
         if self.release_remote is None:
             self.on_release_result(request_id, False)
         else:
-            self.release_remote(handle, request_id)
+            self.release_remote(handle, request_id, prompt_digest)
 
     def pop_pull_stats(self, request_id: str) -> KvPullStats | None:
         return self._stats.pop(request_id, None)

@@ -3,12 +3,14 @@ the decode pod confirms its pull (release) or the lease runs out.
 """
 from __future__ import annotations
 
+import hmac
 import logging
 import math
 from dataclasses import dataclass
 
 from shared.engine.kv_transfer.connector import KVRole
 from shared.engine.kv_transfer.handle import KvHandle
+from shared.engine.kv_cache.hashing import prompt_digest
 from shared.engine.kv_transfer.handoff import HoldForPeer
 from shared.engine.kv_transfer.nixl_connector import NixlConnector
 from shared.engine.request import Request, RequestStatus
@@ -21,6 +23,7 @@ class _Hold:
     request_id: str
     block_ids: list[int]
     deadline_unix_ms: int
+    prompt_digest: bytes
 
 
 class NixlProducer(NixlConnector):
@@ -44,8 +47,9 @@ class NixlProducer(NixlConnector):
         num_tokens = request.num_prompt_tokens
         held = list(block_ids[: math.ceil(num_tokens / self.layout.block_size)])
         deadline = int((self._clock() + self.lease_s) * 1000)
+        digest = prompt_digest(request.prompt_token_ids[:num_tokens], self.layout.block_size)
         with self._lock:
-            self._holds[request.request_id] = _Hold(request.request_id, held, deadline)
+            self._holds[request.request_id] = _Hold(request.request_id, held, deadline, digest)
         handle = KvHandle(
             engine_id=self.engine_id,
             source_address=self.source_address,
@@ -54,11 +58,14 @@ class NixlProducer(NixlConnector):
             block_size=self.layout.block_size,
             layout=self.layout,
             lease_deadline_unix_ms=deadline,
+            prompt_digest=digest,
         )
-        return True, handle
+        return True, self.signer.sign(handle)
 
-    def release(self, request_id: str, engine_id: str) -> bool:
-        """End a hold (any thread). True only if the hold was in place until now: the pulled data is good."""
+    def release(self, request_id: str, engine_id: str, prompt_digest: bytes = b"") -> bool:
+        """End a hold (any thread). True only if the hold was in place until now and was made for the
+        prompt whose digest the caller gives: the data pulled for that prompt is good. An empty
+        digest abandons the hold (nothing pulled is used)."""
         now_ms = int(self._clock() * 1000)
         with self._lock:
             hold = self._holds.pop(request_id, None) if engine_id == self.engine_id else None
@@ -66,6 +73,10 @@ class NixlProducer(NixlConnector):
                 return False
             self._released.add(request_id)
         self.wake()
+        if not hmac.compare_digest(prompt_digest, hold.prompt_digest):
+            if prompt_digest:
+                logger.warning("ReleaseKv for %s named another prompt than its hold's: not intact", request_id)
+            return False
         return now_ms < hold.deadline_unix_ms
 
     def request_aborted(self, request_id: str) -> None:

@@ -1,0 +1,121 @@
+"""TLS, mTLS and the bearer token on one in-process gRPC server: a client with the right certificate and
+token is served; plaintext, a missing client certificate, a certificate from another CA, and a missing or
+wrong token are refused; health stays open to TLS clients without a token."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from certs import CertificateAuthority
+from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
+from shared.serving.api_auth import ApiAuthConfig, BearerTokenInterceptor, bearer_metadata
+from shared.serving.grpc_server import GrpcServer, ServerOptions
+from shared.serving.tls import TlsConfig
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
+
+SERVICE = "pdserve.v1.GenerateService"
+TOKEN = "s3cret-token"
+
+
+class EchoGenerate(generate_pb2_grpc.GenerateServiceServicer):
+    async def Generate(self, request, context):
+        yield generate_pb2.GenerateResponse(token_ids=list(request.token_ids.ids))
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("pki")
+    ca = CertificateAuthority(directory)
+    rogue = CertificateAuthority(directory, name="rogue-ca")
+    return dict(ca=ca, server=ca.issue("server"), client=ca.issue("client"), rogue_client=rogue.issue("rogue"))
+
+
+def _server_tls(pki, *, mutual: bool) -> TlsConfig:
+    return TlsConfig(tls_cert=str(pki["server"].cert), tls_key=str(pki["server"].key),
+                     tls_ca=str(pki["ca"].cert_path) if mutual else "")
+
+
+async def _generate(channel: grpc.aio.Channel, token: str | None) -> list[int]:
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    request = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[1, 2, 3]))
+    return [t async for m in stub.Generate(request, timeout=5, metadata=bearer_metadata(token)) for t in m.token_ids]
+
+
+def _run(pki, *, mutual: bool, token: str | None, scenario):
+    async def main():
+        interceptors = [BearerTokenInterceptor(token)] if token else []
+        server = GrpcServer(ServerOptions(grace_seconds=0, tls=_server_tls(pki, mutual=mutual)), interceptors)
+        server.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, EchoGenerate(), SERVICE)
+        await server.start()
+        try:
+            await scenario(server.address)
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def _client(pki, cert_name: str | None) -> TlsConfig:
+    if cert_name is None:
+        return TlsConfig(tls_ca=str(pki["ca"].cert_path))
+    files = pki[cert_name]
+    return TlsConfig(tls_cert=str(files.cert), tls_key=str(files.key), tls_ca=str(pki["ca"].cert_path))
+
+
+async def _code_of(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await call
+    return error.value.code()
+
+
+def test_tls_serves_a_tls_client_and_refuses_plaintext(pki):
+    async def scenario(address):
+        async with _client(pki, None).aio_channel(address) as channel:
+            assert await _generate(channel, None) == [1, 2, 3]
+        async with grpc.aio.insecure_channel(address) as channel:
+            assert await _code_of(_generate(channel, None)) == grpc.StatusCode.UNAVAILABLE
+
+    _run(pki, mutual=False, token=None, scenario=scenario)
+
+
+def test_mtls_refuses_clients_without_a_certificate_of_its_ca(pki):
+    async def scenario(address):
+        async with _client(pki, "client").aio_channel(address) as channel:
+            assert await _generate(channel, None) == [1, 2, 3]
+        for name in (None, "rogue_client"):
+            async with _client(pki, name).aio_channel(address) as channel:
+                assert await _code_of(_generate(channel, None)) == grpc.StatusCode.UNAVAILABLE, name
+
+    _run(pki, mutual=True, token=None, scenario=scenario)
+
+
+def test_bearer_token_missing_or_wrong_is_unauthenticated_and_health_stays_open(pki):
+    async def scenario(address):
+        async with _client(pki, "client").aio_channel(address) as channel:
+            assert await _generate(channel, TOKEN) == [1, 2, 3]
+            for token in (None, "wrong"):
+                assert await _code_of(_generate(channel, token)) == grpc.StatusCode.UNAUTHENTICATED, token
+            health = health_pb2_grpc.HealthStub(channel)
+            answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING  # answered, no token needed
+
+    _run(pki, mutual=True, token=TOKEN, scenario=scenario)
+
+
+def test_tls_settings_are_checked_where_they_are_given(tmp_path, pki):
+    with pytest.raises(ValueError, match="go together"):
+        TlsConfig(tls_cert=str(pki["server"].cert))
+    with pytest.raises(ValueError, match="no such file"):
+        TlsConfig(tls_ca=str(tmp_path / "missing.pem"))
+    with pytest.raises(ValueError, match="needs --tls-cert"):
+        TlsConfig(tls_ca=str(pki["ca"].cert_path)).server_credentials()
+    assert TlsConfig().channel_credentials() is None and TlsConfig().server_credentials() is None
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    assert ApiAuthConfig(api_token_file=str(token_file)).load({}) == TOKEN
+    assert ApiAuthConfig().load({"PDSERVE_API_TOKEN": "abc"}) == "abc"
+    assert ApiAuthConfig().load({}) is None
