@@ -21,7 +21,7 @@ from shared.engine.kv_cache.manager import KVCacheUsage
 from shared.engine.kv_transfer.connector import KVConnectorBase
 from shared.engine.model.loader import LoadedModel, load_model
 from shared.engine.model.runner import ModelRunner
-from shared.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from shared.engine.request import FinishReason, Request, RequestStatus, SamplingParams, TokenLogprobs
 from shared.engine.sched.output import EngineCoreOutput
 from shared.engine.sched.scheduler import Scheduler
 
@@ -37,6 +37,7 @@ class GenerationOutput:
     text: str | None = None  # decoded output when the model has a tokenizer
     prompt_logprobs: list[dict[int, float] | None] | None = None  # None for the first prompt token
     stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per output token, when asked for
 
 
 @dataclass
@@ -113,6 +114,7 @@ class LLMEngine:
             num_speculative_tokens=scheduler_config.num_speculative_tokens,
             ngram_min=ngram_min, ngram_max=ngram_max, connector=connector,
             max_model_len=scheduler_config.max_model_len, seed=seed, device=device,
+            eos_token_id=self.eos_token_id,
         )
         self.last_stats = None  # SchedulerStats of the latest step
         self.counters = EngineCounters()
@@ -196,6 +198,8 @@ class LLMEngine:
             results[request_id] = GenerationOutput(request_id, token_ids, [], None)
             if params.prompt_logprobs is not None:
                 results[request_id].prompt_logprobs = [None]
+            if params.logprobs is not None:
+                results[request_id].logprobs = []
             order.append(request_id)
         pending = set(order)
         while pending:
@@ -206,6 +210,8 @@ class LLMEngine:
                 result.token_ids.extend(out.new_token_ids)
                 if out.new_prompt_logprobs and result.prompt_logprobs is not None:
                     result.prompt_logprobs.extend(out.new_prompt_logprobs)
+                if out.new_logprobs and result.logprobs is not None:
+                    result.logprobs.extend(out.new_logprobs)
                 if out.finished:
                     result.finish_reason = out.finish_reason
                     result.stop_reason = out.stop_reason
