@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -18,7 +19,8 @@ from router.metrics import RouterMetrics
 from router.policy import NoPick, pick
 from shared.serving.text import TextCodec
 from router.workers import WorkerPool
-from shared.serving import convert, wire
+from shared.serving import convert, fan_out, wire
+from shared.serving.output_text import OutputText
 from shared.engine.kv_transfer.handle import KvHandle, KvPullStats
 from shared.engine.request import FinishReason, SamplingParams
 from shared.serving.outcomes import CANCELLED, ERROR, OK, outcome_of_code
@@ -99,9 +101,16 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             span.set_attribute("pdserve.max_tokens", sampling.max_tokens)
             remaining = context.time_remaining()
             deadline = _Deadline(self._config.request_timeout_s if remaining is None else remaining)
-            text = self._codec.stream() if self._codec is not None else None
-            async for chunk in self._route(request_id, pod_request_id, prompt_ids, sampling, deadline, text, start):
-                yield chunk
+            if sampling.n == 1:
+                completions = self._route(request_id, pod_request_id, prompt_ids, sampling, deadline, start)
+            else:
+                completions = fan_out.merge(lambda index: self._route(
+                    request_id, f"{pod_request_id}-{index}", prompt_ids, fan_out.child_params(sampling, index),
+                    deadline, start, index,
+                ), sampling.n)
+            async with aclosing(completions):
+                async for chunk in completions:
+                    yield chunk
             outcome = OK
         except RouteError as exc:
             outcome = outcome_of_code(exc.code)
@@ -116,40 +125,60 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
     def _validate(self, request) -> tuple[list[int], SamplingParams]:
         encode = self._codec.encode if self._codec is not None else None
         try:
-            return convert.generate_input_from_proto(
+            prompt_ids, sampling = convert.generate_input_from_proto(
                 request, encode, no_tokenizer_hint="start the router with --tokenizer"
             )
+            if sampling.stop and self._codec is None:
+                raise ValueError("sampling: stop strings need a tokenizer: start the router with --tokenizer")
+            return prompt_ids, sampling
         except ValueError as exc:
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
-    async def _route(self, request_id, pod_request_id, prompt_ids, sampling, deadline, text, start) -> AsyncIterator:
+    async def _route(self, request_id, pod_request_id, prompt_ids, sampling, deadline, start, index=0) -> AsyncIterator:
+        """One completion: prefill, then decode; its chunks labelled with index."""
         result, prefill_address = await self._run_prefill(pod_request_id, prompt_ids, sampling, deadline)
         generated = [result.first_token_id]
+        output = OutputText(self._codec.stream() if self._codec is not None else None, sampling)
+        num_sent = 0
 
-        def chunk(token_ids: list[int], finish: FinishReason | None):
+        def chunk(token_ids: list[int], finish: FinishReason | None, logprobs: list):
+            nonlocal num_sent
+            delta = output.push(token_ids, is_last=finish is not None)
+            num_sent += len(delta.token_ids)
             return convert.generate_chunk_to_proto(
                 request_id=request_id,
-                token_ids=token_ids,
-                text=text.push(token_ids) if text is not None else "",
-                finish_reason=finish,
+                token_ids=delta.token_ids,
+                text=delta.text,
+                finish_reason=FinishReason.STOP if delta.stop_string is not None else finish,
                 num_prompt_tokens=len(prompt_ids),
-                num_output_tokens=len(generated),
+                num_output_tokens=num_sent,
+                logprobs=logprobs[:len(delta.token_ids)],
+                index=index,
+                stop_string=delta.stop_string or "",
             )
 
         # Token 1 goes out before any decode work: TTFT never waits for the KV transfer.
-        yield chunk([result.first_token_id], result.finish_reason)
+        first_logprobs = [result.first_token_logprobs] if result.first_token_logprobs is not None else []
+        first = chunk([result.first_token_id], result.finish_reason, first_logprobs)
+        yield first
         ttft = time.monotonic() - start
         trace.get_current_span().set_attribute("pdserve.ttft_s", ttft)
         if self._metrics is not None:
             self._metrics.ttft_seconds.observe(ttft)
-        if result.finish_reason is not None:
+        hold = None if result.finish_reason is not None else _Hold(prefill_address, pod_request_id, result.handle)
+        if first.finish_reason:
+            if hold is not None:  # a stop string in token 1: nobody pulls
+                self._abandon(hold)
             return
-        hold = _Hold(prefill_address, pod_request_id, result.handle)
+        decoded = self._run_decode(pod_request_id, prompt_ids, sampling, generated, deadline, hold)
         try:
-            async for token_ids, finish in self._run_decode(
-                pod_request_id, prompt_ids, sampling, generated, deadline, hold
-            ):
-                yield chunk(token_ids, finish)
+            async with aclosing(decoded):
+                async for token_ids, finish, logprobs in decoded:
+                    sent = chunk(token_ids, finish, logprobs)
+                    yield sent
+                    if sent.finish_reason:
+                        # A stop string: closing the decode call aborts the request on the decode pod.
+                        return
         finally:
             # No decode pod confirmed the pull: free the prefill hold now instead of at lease expiry.
             self._abandon(hold)
@@ -223,7 +252,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         for _ in range(1 + self._config.max_decode_retries):
             if len(generated) >= sampling.max_tokens:
                 # A pod died right after the last token but before saying so: the request is complete.
-                yield [], FinishReason.LENGTH
+                yield [], FinishReason.LENGTH, []
                 return
             choice = self._pick(self._decode, tried)
             if choice.address is None:
@@ -248,7 +277,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                                 self._record_pull(request_id, decoded.kv_pull)
                             generated.extend(decoded.token_ids)
                             if decoded.token_ids or decoded.finish_reason is not None:
-                                yield decoded.token_ids, decoded.finish_reason
+                                yield decoded.token_ids, decoded.finish_reason, decoded.logprobs
                             if decoded.finish_reason is not None:
                                 return
                     finally:

@@ -314,7 +314,8 @@ class ModelRunner:
         allowed = None
         if state.structured_output_request is not None:
             allowed = state.structured_output_request.grammar.allowed_tokens(self.config.vocab_size)
-        return RowHistory(state.token_ids, state.output_start, frozenset(stop_ids), allowed)
+        num_sampled = len(state.token_ids) - state.num_prompt_tokens
+        return RowHistory(state.token_ids, state.output_start, num_sampled, frozenset(stop_ids), allowed)
 
     def _sample(self, scheduled: list[_ScheduledRequest], logits: torch.Tensor,
                 sample_slices: dict[str, tuple[int, int]]) -> tuple[dict[str, list[int]], dict[str, list]]:

@@ -30,10 +30,12 @@ def mix_seed(seed: int, position: int) -> int:
 @dataclass(frozen=True, slots=True)
 class RowHistory:
     """What a row's logits processing reads besides its params: every token before the sampled position
-    (prompt, then output from index output_start), the ids min_tokens holds back, and a grammar mask."""
+    (prompt, then output from index output_start), the output tokens this engine sampled (what
+    min_tokens counts), the ids min_tokens holds back, and a grammar mask."""
 
     token_ids: Sequence[int]
     output_start: int
+    num_sampled_tokens: int
     stop_token_ids: frozenset[int]
     allowed: torch.Tensor | None = None  # bool [V]: the tokens a grammar allows here
 
@@ -66,8 +68,7 @@ def process_logits(logits: torch.Tensor, rows: list[int], params: list[SamplingP
             ids = [token for token, _ in p.logit_bias if token < picked.shape[-1]]
             biases = [bias for token, bias in p.logit_bias if token < picked.shape[-1]]
             picked[row, ids] += torch.tensor(biases, dtype=picked.dtype, device=picked.device)
-        num_output = len(history.token_ids) - history.output_start
-        if num_output < p.min_tokens and history.stop_token_ids:
+        if history.num_sampled_tokens < p.min_tokens and history.stop_token_ids:
             picked[row, list(history.stop_token_ids)] = float("-inf")
     penalized = [row for row, p in enumerate(params) if p.has_penalties]
     if penalized:
