@@ -21,7 +21,11 @@ from shared.engine.kv_cache.manager import KVCacheUsage
 from shared.engine.kv_transfer.connector import KVConnectorBase
 from shared.engine.model.loader import LoadedModel, load_model
 from shared.engine.model.runner import ModelRunner
-from shared.engine.request import FinishReason, Request, RequestStatus, SamplingParams, TokenLogprobs
+from shared.engine.grammar import Grammar, GrammarCompiler
+from shared.engine.request import (
+    FinishReason, Request, RequestStatus, SamplingParams, StructuredOutputSpec, TokenLogprobs,
+)
+from shared.engine.structured_output import StructuredOutputRequest
 from shared.engine.sched.output import EngineCoreOutput
 from shared.engine.sched.scheduler import Scheduler
 
@@ -116,6 +120,7 @@ class LLMEngine:
             max_model_len=scheduler_config.max_model_len, seed=seed, device=device,
             eos_token_id=self.eos_token_id,
         )
+        self._grammar_compiler: GrammarCompiler | None = None  # built on the first structured request
         self.last_stats = None  # SchedulerStats of the latest step
         self.counters = EngineCounters()
         self._request_counter = itertools.count()
@@ -129,7 +134,23 @@ class LLMEngine:
             raise ValueError(
                 f"request {request.request_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
             )
+        spec = request.sampling_params.structured_output
+        if spec is not None and request.structured_output_request is None:
+            request.structured_output_request = StructuredOutputRequest(self._grammar_for(request, spec))
         self.scheduler.add_request(request)
+
+    def _grammar_for(self, request: Request, spec: StructuredOutputSpec) -> Grammar:
+        """The request's grammar, advanced over the output an earlier engine generated (a continued request)."""
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer (tokenizer.json in the model directory)")
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_id)
+        grammar = self._grammar_compiler.compile(spec)
+        prior = request.prompt_token_ids[len(request.prompt_token_ids) - request.num_prior_output_tokens:]
+        if prior and not grammar.accept_tokens(request.request_id, prior):
+            raise ValueError(f"request {request.request_id!r}: the tokens already generated break the structured "
+                             f"output constraint: {grammar.error}")
+        return grammar
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)

@@ -1,0 +1,83 @@
+"""Grammars for structured output, compiled with llguidance: JSON schema, any JSON object, regex, Lark.
+
+A Grammar is what the scheduler's structured-output hook advances with each sampled token and what the
+runner asks for the tokens allowed next. llguidance computes the next-token mask on the CPU in tens of
+microseconds and needs nothing but the tokenizer's JSON.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+from llguidance import LLMatcher, LLTokenizer
+
+from shared.engine.request import StructuredOutputSpec
+
+# Compact JSON (no optional whitespace): a model cannot wander off into endless blanks.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+class Grammar:
+    """One request's matcher. Not thread-safe: the engine thread alone uses it."""
+
+    def __init__(self, matcher: LLMatcher, eos_token_id: int):
+        self._matcher = matcher
+        self._eos_token_id = eos_token_id
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        """Advance over tokens; False (and the matcher stays in error) when the grammar rejects them."""
+        for token in tokens:
+            if token == self._eos_token_id and self._matcher.is_stopped():
+                continue  # a complete output allows only EOS, which the matcher no longer consumes
+            if not self._matcher.consume_token(token):
+                return False
+        return True
+
+    def allowed_tokens(self, vocab_size: int) -> torch.Tensor:
+        """bool [vocab_size]: the tokens the grammar accepts next (only EOS once it is complete)."""
+        words = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.uint8)
+        bits = (words.unsqueeze(-1) >> _BIT_SHIFTS) & 1  # little-endian words: bit b of byte i is token 8i + b
+        allowed = bits.flatten()[:vocab_size].bool()
+        if allowed.numel() < vocab_size:
+            allowed = torch.cat([allowed, allowed.new_zeros(vocab_size - allowed.numel())])
+        return allowed
+
+    @property
+    def error(self) -> str | None:
+        return self._matcher.get_error() if self._matcher.is_error() else None
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputSpecs against one tokenizer (a tokenizers.Tokenizer)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None):
+        if eos_token_id is None:
+            raise ValueError("structured output needs an end-of-sequence token to end a complete output")
+        self._tokenizer = LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos_token_id)
+        self._eos_token_id = eos_token_id
+
+    def compile(self, spec: StructuredOutputSpec) -> Grammar:
+        """ValueError naming the problem when the schema, regex or grammar is not valid."""
+        try:
+            grammar = self._grammar_text(spec)
+        except ValueError as exc:
+            raise ValueError(f"structured output: {exc}") from None
+        matcher = LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured output: {matcher.get_error()}")
+        return Grammar(matcher, self._eos_token_id)
+
+    @staticmethod
+    def _grammar_text(spec: StructuredOutputSpec) -> str:
+        if spec.json_schema is not None:
+            try:
+                schema = json.loads(spec.json_schema)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"json_schema is not valid JSON: {exc}") from None
+            return LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        if spec.json_object:
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+        if spec.regex is not None:
+            return LLMatcher.grammar_from_regex(spec.regex)
+        return LLMatcher.grammar_from_lark(spec.grammar)
