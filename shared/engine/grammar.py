@@ -15,7 +15,18 @@ from shared.engine.request import StructuredOutputSpec
 
 # Compact JSON (no optional whitespace): a model cannot wander off into endless blanks.
 _JSON_OPTIONS = {"whitespace_flexible": False}
-_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """int32 [num_rows, ceil(vocab/32)]: bit b of word w is token 32w + b (llguidance's layout)."""
+    return torch.empty(num_rows, (vocab_size + 31) // 32, dtype=torch.int32)
+
+
+def allowed_from_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [num_rows, vocab_size], unpacked for every row at once."""
+    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1
+    return bits.flatten(1)[:, :vocab_size].bool()
 
 
 class Grammar:
@@ -34,14 +45,15 @@ class Grammar:
                 return False
         return True
 
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Writes the tokens the grammar accepts next (only EOS once it is complete) into bitmask[row]."""
+        self._matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), bitmask.stride(0) * bitmask.element_size())
+
     def allowed_tokens(self, vocab_size: int) -> torch.Tensor:
-        """bool [vocab_size]: the tokens the grammar accepts next (only EOS once it is complete)."""
-        words = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.uint8)
-        bits = (words.unsqueeze(-1) >> _BIT_SHIFTS) & 1  # little-endian words: bit b of byte i is token 8i + b
-        allowed = bits.flatten()[:vocab_size].bool()
-        if allowed.numel() < vocab_size:
-            allowed = torch.cat([allowed, allowed.new_zeros(vocab_size - allowed.numel())])
-        return allowed
+        """bool [vocab_size]: the tokens the grammar accepts next."""
+        bitmask = allocate_bitmask(1, vocab_size)
+        self.fill_bitmask(bitmask, 0)
+        return allowed_from_bitmask(bitmask, vocab_size)[0]
 
     @property
     def error(self) -> str | None:

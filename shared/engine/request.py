@@ -5,6 +5,7 @@ No proto and no torch here: both tiers, the scheduler tests and the services sha
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -108,11 +109,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @functools.cached_property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
-    @property
+    @functools.cached_property  # read for every sampled row
     def processes_logits(self) -> bool:
         """True when logits change before sampling (penalties, bias, min_tokens, a grammar): the slow path."""
         return bool(self.has_penalties or self.logit_bias or self.min_tokens or self.structured_output)

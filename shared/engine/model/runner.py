@@ -12,6 +12,7 @@ import torch
 
 from shared.engine.kv_transfer.connector import KVConnectorBase
 from shared.engine.model.attention import AttentionMetadata, OutputRows, SequenceSpan
+from shared.engine.grammar import allocate_bitmask, allowed_from_bitmask
 from shared.engine.model.loader import LoadedModel
 from shared.engine.model.paged_decode import paged_decode_available
 from shared.engine.model.sampler import RowHistory, output_logprobs, prompt_logprobs, sample
@@ -28,7 +29,8 @@ class _RequestState:
     seed: int  # the request's seed, or one the runner drew for it (so its samples stay batch-independent)
     block_ids: list[int]
     num_computed_tokens: int
-    output_start: int  # index in token_ids of the first output token (penalties and min_tokens count from it)
+    output_start: int  # index in token_ids of the first output token (penalties count from it)
+    stop_token_ids: frozenset[int]  # EOS (unless ignored) and the stop tokens: what min_tokens holds back
     structured_output_request: object | None = None
 
 
@@ -112,6 +114,7 @@ class ModelRunner:
                 sampling_params=params, seed=seed, block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 output_start=len(new.prompt_token_ids) - new.num_prior_output_tokens,
+                stop_token_ids=self._stop_token_ids(params),
                 structured_output_request=new.structured_output_request,
             )
         cached = so.scheduled_cached_reqs
@@ -124,6 +127,12 @@ class ModelRunner:
             if cached.new_token_ids[i]:
                 state.token_ids.extend(cached.new_token_ids[i])
             state.num_computed_tokens = cached.num_computed_tokens[i]
+
+    def _stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
+        stop_ids = set(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            stop_ids.add(self.eos_token_id)
+        return frozenset(stop_ids)
 
     def _schedule(self, so: SchedulerOutput) -> list[_ScheduledRequest]:
         scheduled = []
@@ -303,22 +312,31 @@ class ModelRunner:
         mask.masked_fill_(invalid, float("-inf"))
         return mask.view(len(context_lens), 1, 1, -1)
 
-    def _history(self, r: _ScheduledRequest) -> RowHistory | None:
+    def _history(self, r: _ScheduledRequest, allowed: torch.Tensor | None) -> RowHistory | None:
         """Only requests whose logits are processed need one; they never carry drafts (see _propose)."""
         state, params = r.state, r.state.sampling_params
         if not params.processes_logits:
             return None
-        stop_ids = set(params.stop_token_ids)
-        if self.eos_token_id is not None and not params.ignore_eos:
-            stop_ids.add(self.eos_token_id)
-        allowed = None
-        if state.structured_output_request is not None:
-            allowed = state.structured_output_request.grammar.allowed_tokens(self.config.vocab_size)
         num_sampled = len(state.token_ids) - state.num_prompt_tokens
-        return RowHistory(state.token_ids, state.output_start, num_sampled, frozenset(stop_ids), allowed)
+        return RowHistory(state.token_ids, state.output_start, num_sampled, state.stop_token_ids, allowed)
+
+    def _grammar_masks(self, scheduled: list[_ScheduledRequest], sample_slices) -> dict[str, torch.Tensor]:
+        """req_id -> bool [V] of the tokens its grammar allows next, unpacked for all requests at once."""
+        grammars = {
+            r.req_id: r.state.structured_output_request.grammar for r in scheduled
+            if r.req_id in sample_slices and r.state.structured_output_request is not None
+        }
+        if not grammars:
+            return {}
+        bitmask = allocate_bitmask(len(grammars), self.config.vocab_size)
+        for row, grammar in enumerate(grammars.values()):
+            grammar.fill_bitmask(bitmask, row)
+        allowed = allowed_from_bitmask(bitmask, self.config.vocab_size).to(self.device)
+        return dict(zip(grammars, allowed))
 
     def _sample(self, scheduled: list[_ScheduledRequest], logits: torch.Tensor,
                 sample_slices: dict[str, tuple[int, int]]) -> tuple[dict[str, list[int]], dict[str, list]]:
+        masks = self._grammar_masks(scheduled, sample_slices)
         rows, params, seeds, positions, histories = [], [], [], [], []
         for r in scheduled:
             if r.req_id not in sample_slices:
@@ -331,7 +349,7 @@ class ModelRunner:
                 params.append(r.state.sampling_params)
                 seeds.append(r.state.seed)
                 positions.append(next_pos + j)
-                histories.append(self._history(r))
+                histories.append(self._history(r, masks.get(r.req_id)))
         row_logits = logits.index_select(0, self._ids(rows))
         tokens = sample(row_logits, params, seeds, positions, histories)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]

@@ -61,16 +61,23 @@ def process_logits(logits: torch.Tensor, rows: list[int], params: list[SamplingP
     min_tokens, then penalties."""
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     picked = logits.index_select(0, index).float()
+    masked = [row for row, history in enumerate(histories) if history.allowed is not None]
+    if masked:
+        allowed = torch.stack([histories[row].allowed for row in masked])
+        if len(masked) == len(rows):
+            picked.masked_fill_(~allowed, float("-inf"))
+        else:
+            picked[masked] = picked[masked].masked_fill(~allowed, float("-inf"))
+    penalized = []
     for row, (p, history) in enumerate(zip(params, histories)):
-        if history.allowed is not None:
-            picked[row].masked_fill_(~history.allowed.to(picked.device), float("-inf"))
         if p.logit_bias:
             ids = [token for token, _ in p.logit_bias if token < picked.shape[-1]]
             biases = [bias for token, bias in p.logit_bias if token < picked.shape[-1]]
             picked[row, ids] += torch.tensor(biases, dtype=picked.dtype, device=picked.device)
         if history.num_sampled_tokens < p.min_tokens and history.stop_token_ids:
             picked[row, list(history.stop_token_ids)] = float("-inf")
-    penalized = [row for row, p in enumerate(params) if p.has_penalties]
+        if p.has_penalties:
+            penalized.append(row)
     if penalized:
         picked[penalized] = _apply_penalties(
             picked[penalized], [params[r] for r in penalized], [histories[r] for r in penalized]
