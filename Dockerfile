@@ -1,31 +1,29 @@
-# pdserve service image: one image runs every tier (`pdserve router|prefill|decode|up`).
+# pdserve service image: one image runs every tier (`pdserve router|prefill|decode|colocated|up`).
+# Build it with scripts/build_image.sh (docker, podman or buildah), or directly:
 #   CPU:  docker build -t pdserve:0.1.0 .
-#   GPU:  docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
-#           -t pdserve:0.1.0-cuda .
-# torch is installed first, pinned, from PyTorch's own index: its CPU index serves the CPU-only
-# wheel (a plain PyPI torch is the CUDA build, gigabytes larger). The project's own
-# dependency `torch>=2.4` is then already satisfied and pip leaves it alone.
-FROM python:3.11-slim
+#   GPU:  docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t pdserve:0.1.0-cuda .
+# Two stages: the build stage has the compiler and builds the paged decode kernel into the package (a
+# real extension, setup.py); the runtime stage copies the finished virtual environment and has no
+# compiler. Dependencies are pinned by constraints.txt; torch by TORCH_VERSION from PyTorch's own index
+# (its CPU index serves the CPU-only wheel; a plain PyPI torch is the CUDA build, gigabytes larger).
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
+FROM ${PYTHON_IMAGE} AS build
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-
 ENV PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    TORCH_EXTENSIONS_DIR=/opt/pdserve/torch_extensions
-
-# g++ builds the paged decode kernel (shared/engine/model/csrc); without it the engine falls back to a
-# slower gather + SDPA decode attention.
+    PATH=/opt/venv/bin:$PATH
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
-
-RUN python -m pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
-
-WORKDIR /opt/pdserve
-COPY pyproject.toml ./
+RUN python -m venv /opt/venv
+COPY constraints.txt /src/constraints.txt
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
+    && pip install -c /src/constraints.txt setuptools ninja
+WORKDIR /src
+COPY pyproject.toml setup.py ./
 COPY proto/ proto/
 COPY shared/ shared/
 COPY prefill_svc/ prefill_svc/
@@ -33,18 +31,29 @@ COPY decode_svc/ decode_svc/
 COPY router/ router/
 COPY colocated_svc/ colocated_svc/
 COPY pdserve/ pdserve/
-RUN python -m pip install . \
-    && python -c "import torch, grpc, pdserve; print('torch', torch.__version__)" \
-    && python -c "from shared.engine.model.paged_decode import paged_decode_available as built; assert built()"
+# --no-build-isolation: setup.py needs this environment's torch to build the kernel against it.
+RUN pip wheel --no-build-isolation --no-deps --wheel-dir /wheels . \
+    && pip install -c constraints.txt /wheels/pdserve-*.whl \
+    && python -c "from shared.engine.model.kernel_build import prebuilt_library as p; assert p(), 'no prebuilt kernel'"
 
+FROM ${PYTHON_IMAGE} AS runtime
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PATH=/opt/venv/bin:$PATH \
+    HOME=/home/pdserve
+COPY --from=build /opt/venv /opt/venv
 # The same uid the Kubernetes manifests run as (runAsUser: 10001).
 RUN groupadd --gid 10001 pdserve \
-    && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin pdserve \
-    && chown -R 10001:10001 /opt/pdserve/torch_extensions  # torch takes a lock file there at load
+    && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin pdserve
 USER 10001:10001
 WORKDIR /home/pdserve
+# No compiler here: the kernel must come prebuilt, and load (this fails the build otherwise).
+RUN ! command -v c++ \
+    && python -c "import logging; logging.basicConfig(level=logging.INFO); \
+from shared.engine.model.paged_decode import paged_decode_available as ok; assert ok()"
 
-# router 50051, prefill 50061, decode 50071 (gRPC); Prometheus metrics on 9400.
-EXPOSE 50051 50061 50071 9400
+# router 50051, prefill 50061, decode 50071 (gRPC); Prometheus metrics on 9400; the KV transfer
+# (NIXL/UCX TCP) listens on --kv-port-range, 20000-20099 by default.
+EXPOSE 50051 50061 50071 9400 20000-20099
 ENTRYPOINT ["pdserve"]
 CMD ["--help"]

@@ -7,10 +7,10 @@ import asyncio
 import logging
 import os
 import sys
-from pathlib import Path
 
 from colocated_svc.servicer import ColocatedServicer
 from proto.pdserve.v1 import generate_pb2_grpc
+from shared.engine.tokenizer import load_tokenizer
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.pod_server import add_pod_flags, pod_config_from_args, run_pod
 
@@ -28,26 +28,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_tokenizer(path: str | None):
-    """None without a path; ValueError when the file is missing."""
-    if path is None:
-        return None
-    from tokenizers import Tokenizer
-
-    file = Path(path)
-    if file.is_dir():
-        file = file / "tokenizer.json"
-    if not file.is_file():
-        raise ValueError(f"tokenizer file not found: {file}")
-    return Tokenizer.from_file(str(file))
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s colocated %(levelname)s %(name)s: %(message)s")
     try:
         config = pod_config_from_args(args)
-        tokenizer = load_tokenizer(args.tokenizer)
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     except ValueError as exc:
         print(f"pdserve colocated: {exc}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ from decode_svc.kv_sources import KvSourceCache
 from decode_svc.servicer import DecodeServicer
 from proto.pdserve.v1 import decode_pb2_grpc
 from shared.engine.kv_transfer.connector import KVRole
+from shared.serving.kv_events import kv_event_service
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.pod_server import run_pod
 
@@ -25,8 +26,8 @@ def main(argv: list[str] | None = None) -> None:
         client_config = prefill_client_config(args)
     except ValueError as exc:
         sys.exit(f"pdserve decode: {exc}")
-    servicer = DecodeServicer(ServiceMetrics(), KvSourceCache(client_config))
-    services = [(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, SERVICE_NAME)]
+    servicer = DecodeServicer(ServiceMetrics(), KvSourceCache(client_config, probe_port_range=args.kv_port_range))
+    services = [(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, SERVICE_NAME), kv_event_service()]
     asyncio.run(
         run_pod(KVRole.CONSUMER, args, config, env=dict(os.environ), service_name="decode", services=services)
     )

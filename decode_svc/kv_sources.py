@@ -9,6 +9,7 @@ from typing import Callable
 import grpc
 from opentelemetry import context as otel_context
 
+from decode_svc.transport_probe import ProbeResult, TransportProbe, derive_transport
 from shared.engine.kv_transfer.handle import KvHandle, KvSource
 from shared.serving.prefill_client import PrefillClient, PrefillClientConfig
 
@@ -22,9 +23,15 @@ class KvSourceUnavailable(RuntimeError):
 class KvSourceCache:
     """Channels to prefill pods by address, and their KV sources by engine id."""
 
-    def __init__(self, config: PrefillClientConfig = PrefillClientConfig(), interceptors=()):
+    def __init__(self, config: PrefillClientConfig = PrefillClientConfig(), interceptors=(), *,
+                 probe_port_range: str | None = None):
+        """probe_port_range: check the KV path to each new prefill engine with a probe READ (None: never)."""
         self._config = config
         self._interceptors = list(interceptors)
+        self._probe_port_range = probe_port_range
+        self._probe: TransportProbe | None = None
+        self._transports: dict[str, str] = {}
+        self.on_probe_failure: Callable[[ProbeResult], None] | None = None  # set by the servicer (metrics)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._sources: dict[str, KvSource] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -59,7 +66,27 @@ class KvSourceCache:
                 f"{handle.source_address} now runs engine {described.engine_id}, not {handle.engine_id}"
             )
         self._sources[handle.engine_id] = described.source
+        if self._probe_port_range is not None and handle.engine_id not in self._transports:
+            self._transports[handle.engine_id] = derive_transport(described.source, handle.source_address)
+            # Before the pull, while prefill holds this request's blocks: only then does its engine loop
+            # drive UCX, which a READ over TCP needs from the side being read. Once per engine; a blocked
+            # path costs this request the probe's timeout.
+            await self._check_transport(handle, described.source)
         return described.source
+
+    def transport_of(self, handle: KvHandle) -> str:
+        """The UCX transport pulls from this handle's engine take ("unknown" before it was met)."""
+        return self._transports.get(handle.engine_id, "unknown")
+
+    async def _check_transport(self, handle: KvHandle, source: KvSource) -> None:
+        """First meeting with a prefill engine: one probe READ (on a worker thread: it may wait seconds)."""
+        loop = asyncio.get_running_loop()
+        if self._probe is None:  # made late: UCX reads the port range when the agent starts
+            self._probe = await loop.run_in_executor(None, TransportProbe, self._probe_port_range)
+        result = await loop.run_in_executor(None, self._probe.probe, source, handle.source_address,
+                                            self._transports[handle.engine_id])
+        if not result.is_ok and self.on_probe_failure is not None:
+            self.on_probe_failure(result)
 
     def release_from_engine_thread(self, loop: asyncio.AbstractEventLoop, handle: KvHandle, request_id: str) -> None:
         """The connector's release_remote hook: called on the engine thread, runs on the event loop."""
@@ -95,3 +122,5 @@ class KvSourceCache:
             task.cancel()
         for channel in self._channels.values():
             await channel.close()
+        if self._probe is not None:
+            self._probe.close()

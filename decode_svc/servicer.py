@@ -51,6 +51,7 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
         super().__init__()
         self.metrics = metrics
         self.sources = sources
+        sources.on_probe_failure = lambda result: metrics.kv_transport_failures.labels(result.transport).inc()
         self._traces: dict[str, _DecodeTrace] = {}
         self._late_releases: dict[str, otel_context.Context] = {}
 
@@ -98,7 +99,7 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
                     finish_reason = outputs[-1].finish_reason
                     chunk = wire.DecodeChunk(token_ids=token_ids, finish_reason=finish_reason, logprobs=logprobs)
                     if pull_stats is None:
-                        pull_stats = self._report_pull(work.request_id, early_stats)
+                        pull_stats = self._report_pull(work, early_stats)
                         chunk = dataclasses.replace(chunk, kv_pull=pull_stats)
                     call.count_tokens(len(token_ids))
                     if finish_reason is FinishReason.ERROR:
@@ -113,11 +114,14 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
                 if traced is not None:
                     self._end_trace(work.request_id, traced, call.num_output_tokens, finish_reason)
 
-    def _report_pull(self, request_id: str, early_stats: KvPullStats) -> KvPullStats:
-        """The pull's statistics, once its first output is ready: metrics and the kv-pull span."""
-        stats = self.pod.connector.pop_pull_stats(request_id) or early_stats
+    def _report_pull(self, work: wire.DecodeInput, early_stats: KvPullStats) -> KvPullStats:
+        """The pull's statistics, once its first output is ready: metrics (by UCX transport) and the kv-pull span."""
+        stats = self.pod.connector.pop_pull_stats(work.request_id) or early_stats
         self.metrics.record_transfer(stats.num_bytes, stats.seconds)
-        self._end_pull_span(request_id, stats)
+        transport = self.sources.transport_of(work.handle) if work.handle is not None else None
+        if transport is not None:
+            self.metrics.kv_pulls.labels(transport, stats.outcome.value).inc()
+        self._end_pull_span(work.request_id, stats, transport)
         return stats
 
     def _failure_message(self, request_id: str, stats: KvPullStats | None) -> str:
@@ -177,7 +181,7 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
             )
         return trace.set_span_in_context(traced.pull_span, traced.parent)
 
-    def _end_pull_span(self, request_id: str, stats: KvPullStats) -> None:
+    def _end_pull_span(self, request_id: str, stats: KvPullStats, transport: str | None) -> None:
         traced = self._traces.get(request_id)
         if traced is None:
             return
@@ -192,6 +196,8 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
             SpanAttr.KV_GBPS: stats.num_bytes / stats.seconds / 1e9 if stats.seconds > 0 else 0.0,
             SpanAttr.KV_OUTCOME: stats.outcome.value,
         }
+        if transport is not None:
+            attributes[SpanAttr.KV_TRANSPORT] = transport
         if traced.pull_span is None:
             if stats.outcome is KvPullOutcome.NO_HANDLE:
                 return

@@ -296,7 +296,12 @@ def slo_from_args(args: argparse.Namespace) -> Slo:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Returns 0 when at least one request completed, 1 when all failed, 2 on bad flags or no server."""
+    """Returns 0 when at least one request completed, 1 when all failed, 2 on bad flags or no server.
+    `pdserve bench multi-turn ...` runs the multi-turn conversation workload instead."""
+    if argv and argv[0] == "multi-turn":
+        from pdserve.bench_multiturn import main as multi_turn_main
+
+        return multi_turn_main(argv[1:])
     parser = build_arg_parser()
     args = parser.parse_args(argv)
     try:

@@ -84,16 +84,25 @@ def _run_generate(args: argparse.Namespace) -> None:
     _stream(args.target, prompt, sampling, args.timeout)
 
 
+def chunk_output(chunk, as_text: bool) -> str:
+    """What a streamed chunk prints: its text for a text prompt (empty while a character is incomplete),
+    else its token ids; never ids inside text."""
+    if as_text:
+        return chunk.text
+    return "".join(f"{token_id} " for token_id in chunk.token_ids)
+
+
 def _stream(target: str, prompt, sampling: dict, timeout: float) -> None:
     from pdserve.client import PdserveClient
 
     started = time.monotonic()
     first_at = None
+    as_text = isinstance(prompt, str)
     with PdserveClient(target) as client:
         for chunk in client.generate(prompt, timeout=timeout, **sampling):
             if first_at is None:
                 first_at = time.monotonic()
-            print(chunk.text or " ".join(map(str, chunk.token_ids)), end=" ", flush=True)
+            print(chunk_output(chunk, as_text), end="", flush=True)
             last = chunk
     elapsed = time.monotonic() - started
     print(f"\n[{last.num_output_tokens} tokens, finish {last.finish_reason}, "

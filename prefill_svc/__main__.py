@@ -10,6 +10,7 @@ from prefill_svc.flags import build_arg_parser, pod_config
 from prefill_svc.servicer import PrefillServicer
 from proto.pdserve.v1 import prefill_pb2_grpc
 from shared.engine.kv_transfer.connector import KVRole
+from shared.serving.kv_events import kv_event_service
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.pod_server import run_pod
 
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         sys.exit(f"pdserve prefill: {exc}")
     servicer = PrefillServicer(ServiceMetrics())
-    services = [(prefill_pb2_grpc.add_PrefillServiceServicer_to_server, servicer, SERVICE_NAME)]
+    services = [(prefill_pb2_grpc.add_PrefillServiceServicer_to_server, servicer, SERVICE_NAME), kv_event_service()]
     asyncio.run(
         run_pod(KVRole.PRODUCER, args, config, env=dict(os.environ), service_name="prefill", services=services)
     )

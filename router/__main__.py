@@ -11,6 +11,8 @@ from prometheus_client import CollectorRegistry
 
 from proto.pdserve.v1 import decode_pb2_grpc, generate_pb2_grpc, prefill_pb2_grpc
 from router.flags import RouterConfig, build_arg_parser
+from router.kv_index import KvIndex
+from router.kv_subscriptions import KvEventSubscriptions
 from router.metrics import RouterMetrics
 from router.servicer import RouterServicer
 from shared.serving.text import TextCodec
@@ -42,9 +44,12 @@ async def run(config: RouterConfig, *, env: dict[str, str], codec: TextCodec | N
     )
 
     async def update_health() -> None:
-        # The router can serve only when both tiers have at least one healthy worker.
+        # Readiness: the router can serve only when both tiers have at least one healthy worker. Liveness
+        # (GrpcServer's "liveness" service) does not follow the tiers: a router waiting for them still works.
         if server.is_started:
             await server.set_serving(prefill.has_healthy and decode.has_healthy)
+        if subscriptions is not None:
+            subscriptions.sync([*prefill.addresses, *decode.addresses])
 
     pool_wiring = dict(
         channel_options=[
@@ -54,6 +59,9 @@ async def run(config: RouterConfig, *, env: dict[str, str], codec: TextCodec | N
         interceptors=tracing.client_interceptors(),
         on_poll=update_health,
     )
+    # Each router replica follows every pod's KV events itself: same events, same index.
+    kv_index = KvIndex(config.kv_index_max_blocks) if config.needs_kv_index else None
+    subscriptions = KvEventSubscriptions(kv_index, pool_wiring["channel_options"]) if kv_index is not None else None
     prefill = WorkerPool(
         "prefill", config.prefill, prefill_pb2_grpc.PrefillServiceStub, PREFILL_SERVICE, config.pool,
         client_class=lambda channel: PrefillClient(channel, config.prefill_client), **pool_wiring,
@@ -61,7 +69,8 @@ async def run(config: RouterConfig, *, env: dict[str, str], codec: TextCodec | N
     decode = WorkerPool(
         "decode", config.decode, decode_pb2_grpc.DecodeServiceStub, DECODE_SERVICE, config.pool, **pool_wiring
     )
-    servicer = RouterServicer(prefill, decode, config, codec=codec, metrics=metrics, tracer=tracing.tracer)
+    servicer = RouterServicer(prefill, decode, config, codec=codec, metrics=metrics, tracer=tracing.tracer,
+                              kv_index=kv_index)
     server.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer, GENERATE_SERVICE)
     server.on_shutdown(servicer.drain)
     try:
@@ -76,6 +85,8 @@ async def run(config: RouterConfig, *, env: dict[str, str], codec: TextCodec | N
         await server.serve_forever()
     finally:
         await server.stop()
+        if subscriptions is not None:
+            await subscriptions.close()
         await prefill.close()
         await decode.close()
         if metrics_server is not None:

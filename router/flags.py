@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 from shared.serving.prefill_client import PrefillClientConfig
 from shared.serving.settings import add_flags, config_from_args, setting, settings_group
 
-POLICIES = ("least-loaded", "round-robin")
+from router.kv_index import DEFAULT_MAX_BLOCKS_PER_POD
+from router.policy import DisaggregationRule, KvWeights
+
+POLICIES = ("least-loaded", "round-robin", "kv-aware")
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ class RouterConfig:
     ))
     host: str = field(default="127.0.0.1", metadata=setting("address to listen on"))
     port: int = field(default=50051, metadata=setting("port to listen on (0 picks one)"))
-    policy: str = field(default="least-loaded", metadata=setting("how a worker is picked", choices=POLICIES))
+    policy: str = field(default="kv-aware", metadata=setting("how a worker is picked: by cached prefix and load (kv-aware), by load alone, or in turn", choices=POLICIES))
     metrics_port: int | None = field(default=None, metadata=setting("Prometheus /metrics port (off when unset)"))
     otlp_endpoint: str | None = field(default=None, metadata=setting(
         "OTLP gRPC endpoint for traces, e.g. localhost:4317", parse=_none_if_empty
@@ -118,6 +121,16 @@ class RouterConfig:
     grace_seconds: float = field(default=5.0, metadata=setting("graceful shutdown period"))
     pool: PoolConfig = field(default_factory=PoolConfig, metadata=settings_group())
     prefill_client: PrefillClientConfig = field(default_factory=PrefillClientConfig, metadata=settings_group())
+    kv_weights: KvWeights = field(default_factory=KvWeights, metadata=settings_group())
+    disaggregation: DisaggregationRule = field(default_factory=DisaggregationRule, metadata=settings_group())
+    kv_index_max_blocks: int = field(default=DEFAULT_MAX_BLOCKS_PER_POD, metadata=setting(
+        "most block hashes the router keeps per pod for KV-aware routing (~120 bytes each)"
+    ))
+
+    @property
+    def needs_kv_index(self) -> bool:
+        """Only KV-aware picks and the short-suffix rule look at the pods' prefix caches."""
+        return self.policy == "kv-aware" or self.disaggregation.max_local_prefill_tokens > 0
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -137,6 +150,8 @@ class RouterConfig:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.grace_seconds < 0:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
+        if self.kv_index_max_blocks < 1:
+            raise ValueError(f"kv_index_max_blocks must be >= 1, got {self.kv_index_max_blocks}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RouterConfig":

@@ -27,3 +27,8 @@ class RouterMetrics:
         self.kv_pulls = Counter(
             "pdserve_router_kv_pulls", "KV pull outcomes reported by decode pods", ["outcome"], registry=registry,
         )
+        self.route_decisions = Counter(
+            "pdserve_router_route_decisions",
+            "Requests by route (split: prefill then decode; decode_only: the decode pod computes the prompt) "
+            "and the reason for it", ["route", "reason"], registry=registry,
+        )

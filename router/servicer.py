@@ -15,8 +15,9 @@ from opentelemetry import trace
 
 from proto.pdserve.v1 import generate_pb2_grpc
 from router.flags import RouterConfig
+from router.kv_index import KvIndex, PromptHashes
 from router.metrics import RouterMetrics
-from router.policy import NoPick, pick
+from router.policy import NoPick, Route, RouteDecision, RouteReason, decide_route, pick
 from shared.serving.text import TextCodec
 from router.workers import WorkerPool
 from shared.serving import convert, fan_out, wire
@@ -75,6 +76,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         codec: TextCodec | None = None,
         metrics: RouterMetrics | None = None,
         tracer: trace.Tracer | None = None,
+        kv_index: KvIndex | None = None,
     ):
         self._prefill = prefill
         self._decode = decode
@@ -82,6 +84,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         self._codec = codec
         self._metrics = metrics
         self._tracer = tracer or trace.NoOpTracer()
+        self._kv_index = kv_index
         self._turns = {prefill.tier: 0, decode.tier: 0}
         self._background: set[asyncio.Task] = set()
 
@@ -135,9 +138,9 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
     async def _route(self, request_id, pod_request_id, prompt_ids, sampling, deadline, start, index=0) -> AsyncIterator:
-        """One completion: prefill, then decode; its chunks labelled with index."""
-        result, prefill_address = await self._run_prefill(pod_request_id, prompt_ids, sampling, deadline)
-        generated = [result.first_token_id]
+        """One completion: prefill then decode (or decode alone); its chunks labelled with index."""
+        prompt = PromptHashes(prompt_ids)
+        generated: list[int] = []
         output = OutputText(self._codec.stream() if self._codec is not None else None, sampling)
         num_sent = 0
 
@@ -157,40 +160,88 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 stop_string=delta.stop_string or "",
             )
 
-        # Token 1 goes out before any decode work: TTFT never waits for the KV transfer.
-        first_logprobs = [result.first_token_logprobs] if result.first_token_logprobs is not None else []
-        first = chunk([result.first_token_id], result.finish_reason, first_logprobs)
-        yield first
-        ttft = time.monotonic() - start
-        trace.get_current_span().set_attribute("pdserve.ttft_s", ttft)
-        if self._metrics is not None:
-            self._metrics.ttft_seconds.observe(ttft)
-        hold = None if result.finish_reason is not None else _Hold(prefill_address, pod_request_id, result.handle)
-        if first.finish_reason:
-            if hold is not None:  # a stop string in token 1: nobody pulls
-                self._abandon(hold)
-            return
-        decoded = self._run_decode(pod_request_id, prompt_ids, sampling, generated, deadline, hold)
+        hold = None
+        if self._decide(prompt).route is Route.SPLIT:
+            result, prefill_address = await self._run_prefill(pod_request_id, prompt, sampling, deadline)
+            generated.append(result.first_token_id)
+            if result.finish_reason is None:
+                hold = _Hold(prefill_address, pod_request_id, result.handle)
+            # Token 1 goes out before any decode work: TTFT never waits for the KV transfer.
+            first_logprobs = [result.first_token_logprobs] if result.first_token_logprobs is not None else []
+            first = chunk([result.first_token_id], result.finish_reason, first_logprobs)
+            yield first
+            self._record_ttft(start)
+            if first.finish_reason:
+                self._abandon(hold)  # a stop string in token 1: nobody pulls
+                return
+        decoded = self._run_decode(pod_request_id, prompt, sampling, generated, deadline, hold)
         try:
             async with aclosing(decoded):
                 async for token_ids, finish, logprobs in decoded:
+                    is_first = hold is None and len(generated) == len(token_ids) and bool(token_ids)
                     sent = chunk(token_ids, finish, logprobs)
                     yield sent
+                    if is_first:
+                        self._record_ttft(start)
                     if sent.finish_reason:
-                        # A stop string: closing the decode call aborts the request on the decode pod.
+                        # Maybe a stop string: closing the decode call aborts the request on the decode pod.
                         return
         finally:
             # No decode pod confirmed the pull: free the prefill hold now instead of at lease expiry.
             self._abandon(hold)
 
+    def _record_ttft(self, start: float) -> None:
+        ttft = time.monotonic() - start
+        trace.get_current_span().set_attribute("pdserve.ttft_s", ttft)
+        if self._metrics is not None:
+            self._metrics.ttft_seconds.observe(ttft)
+
+    # ---- conditional disaggregation -----------------------------------------------------------
+    def _decide(self, prompt: PromptHashes) -> RouteDecision:
+        """Split, or decode-only when the decode pod this request would go to lacks little of the prompt
+        (or prefill is saturated); recorded on the route span and in a metric."""
+        rule = self._config.disaggregation
+        num_uncached = prompt.num_tokens
+        decision = RouteDecision(Route.SPLIT, RouteReason.PREFILL_NEEDED)
+        with self._tracer.start_as_current_span("route decision") as span:
+            if rule.max_local_prefill_tokens > 0 or rule.saturation_queue > 0:
+                views = self._decode.views()
+                cached = self._cached_tokens(views, prompt)
+                choice = pick(self._config.policy, views, self._turns[self._decode.tier],
+                              num_prompt_tokens=prompt.num_tokens, cached_tokens=cached,
+                              weights=self._config.kv_weights)
+                decode_view = next((v for v in views if v.address == choice.address), None)
+                if decode_view is not None:
+                    num_uncached = prompt.num_tokens - cached.get(decode_view.address, 0)
+                decision = decide_route(num_uncached, self._prefill.views(), decode_view, rule)
+            span.set_attribute("pdserve.route", decision.route.value)
+            span.set_attribute("pdserve.route.reason", decision.reason.value)
+            span.set_attribute("pdserve.route.num_uncached_tokens", num_uncached)
+        server_span = trace.get_current_span()
+        server_span.set_attribute("pdserve.route", decision.route.value)
+        server_span.set_attribute("pdserve.route.reason", decision.reason.value)
+        if self._metrics is not None:
+            self._metrics.route_decisions.labels(route=decision.route.value, reason=decision.reason.value).inc()
+        return decision
+
+    def _cached_tokens(self, views, prompt: PromptHashes) -> dict[str, int]:
+        if self._kv_index is None:
+            return {}
+        return self._kv_index.cached_tokens_by_pod((v.address for v in views if v.is_healthy), prompt)
+
     # ---- picking ------------------------------------------------------------------------------
-    def _pick(self, pool: WorkerPool, exclude: list[str]):
+    def _pick(self, pool: WorkerPool, exclude: list[str], prompt: PromptHashes):
         turn = self._turns[pool.tier]
         self._turns[pool.tier] = turn + 1
         with self._tracer.start_as_current_span(f"route {pool.tier}") as span:
-            choice = pick(self._config.policy, pool.views(), turn, exclude)
+            views = pool.views()
+            cached = self._cached_tokens(views, prompt) if self._config.policy == "kv-aware" else {}
+            choice = pick(self._config.policy, views, turn, exclude, num_prompt_tokens=prompt.num_tokens,
+                          cached_tokens=cached, weights=self._config.kv_weights)
             span.set_attribute("pdserve.policy", self._config.policy)
             span.set_attribute("pdserve.worker", choice.address or "")
+            if choice.address is not None and cached:
+                span.set_attribute("pdserve.kv.cached_tokens", cached.get(choice.address, 0))
             span.set_attribute("pdserve.excluded", list(exclude))
             if choice.reason is not None:
                 span.set_attribute("pdserve.no_pick", choice.reason.value)
@@ -211,19 +262,21 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         )
 
     # ---- prefill ------------------------------------------------------------------------------
-    async def _run_prefill(self, request_id, prompt_ids, sampling, deadline):
+    async def _run_prefill(self, request_id, prompt: PromptHashes, sampling, deadline):
         tried: list[str] = []
         last_error = None
         reason = None
         for _ in range(1 + self._config.max_prefill_retries):
-            choice = self._pick(self._prefill, tried)
+            choice = self._pick(self._prefill, tried, prompt)
             if choice.address is None:
                 reason = choice.reason
                 break
             tried.append(choice.address)
             try:
                 with self._prefill.use(choice.address) as client:
-                    result = await client.prefill(request_id, prompt_ids, sampling, timeout_s=deadline.remaining())
+                    result = await client.prefill(
+                        request_id, prompt.token_ids, sampling, timeout_s=deadline.remaining()
+                    )
             except ValueError as exc:
                 raise RouteError(
                     grpc.StatusCode.INTERNAL, f"prefill worker {choice.address} sent a bad response: {exc}"
@@ -243,9 +296,10 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         raise self._no_pick_error(self._prefill, reason, last_error, tried)
 
     # ---- decode -------------------------------------------------------------------------------
-    async def _run_decode(self, request_id, prompt_ids, sampling, generated, deadline, hold: "_Hold"):
-        """Yields (new token ids, finish reason or None). `generated` (token 1 first) grows as tokens are
-        yielded, so a re-issue after a failure carries exactly what the client already has."""
+    async def _run_decode(self, request_id, prompt: PromptHashes, sampling, generated, deadline, hold: "_Hold | None"):
+        """Yields (new token ids, finish reason or None). `generated` (token 1 first, or empty without a
+        prefill) grows as tokens are yielded, so a re-issue after a failure carries exactly what the
+        client already has. Without a hold the decode pod computes the prompt itself."""
         tried: list[str] = []
         last_error = None
         reason = None
@@ -254,14 +308,14 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 # A pod died right after the last token but before saying so: the request is complete.
                 yield [], FinishReason.LENGTH, []
                 return
-            choice = self._pick(self._decode, tried)
+            choice = self._pick(self._decode, tried, prompt)
             if choice.address is None:
                 reason = choice.reason
                 break
             tried.append(choice.address)
-            carries_handle = not hold.is_settled
+            carries_handle = hold is not None and not hold.is_settled
             work = wire.DecodeInput(
-                request_id, prompt_ids, list(generated), sampling, hold.handle if carries_handle else None
+                request_id, prompt.token_ids, list(generated), sampling, hold.handle if carries_handle else None
             )
             received_any = False
             try:
@@ -273,7 +327,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                             if not received_any:
                                 received_any = True
                                 # The first message comes after the pull was confirmed (or given up).
-                                hold.is_settled = True
+                                if hold is not None:
+                                    hold.is_settled = True
                                 self._record_pull(request_id, decoded.kv_pull)
                             generated.extend(decoded.token_ids)
                             if decoded.token_ids or decoded.finish_reason is not None:
@@ -331,9 +386,9 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _abandon(self, hold: "_Hold") -> None:
+    def _abandon(self, hold: "_Hold | None") -> None:
         """Gives up the hold (once): later decode attempts recompute, and the prefill pod frees the blocks."""
-        if hold.is_settled:
+        if hold is None or hold.is_settled:
             return
         hold.is_settled = True
         self._spawn(self._release(hold))

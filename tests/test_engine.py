@@ -127,14 +127,15 @@ def test_text_prompts_use_the_tokenizer(tmp_path):
 
 
 def test_kv_pool_layout_is_contiguous_per_layer_and_block():
-    # Default scheduler settings: max_model_len (8192) is capped at the model's 2048 positions.
-    engine = LLMEngine("tiny", SchedulerConfig(), CacheConfig(block_size=16, num_blocks=128))
+    # Default scheduler settings: max_model_len (8192) is capped at the model's 2048 positions, which
+    # 128 blocks of 16 (block 0 reserved) plus one hold.
+    engine = LLMEngine("tiny", SchedulerConfig(), CacheConfig(block_size=16, num_blocks=129))
     config = preset("tiny")
     assert engine.scheduler.max_model_len == config.max_position_embeddings
     runner = engine.runner
     assert list(runner.kv_caches) == [f"layers.{i}.{kind}" for i in range(config.num_layers)
                                       for kind in ("key", "value")]
-    shape = (128, 16, config.num_kv_heads, config.head_dim)
+    shape = (129, 16, config.num_kv_heads, config.head_dim)
     block_elems = 16 * config.num_kv_heads * config.head_dim
     for tensor in runner.kv_caches.values():
         assert tensor.shape == shape and tensor.is_contiguous()

@@ -115,15 +115,16 @@ def test_every_service_lists_its_services_by_reflection(pods):
     )
     cluster.services.append(router)
     wait_serving(router)
+    kv_events = "pdserve.v1.KvEventService"
     expected = {
-        "router": "pdserve.v1.GenerateService",
-        "prefill-0": "pdserve.v1.PrefillService",
-        "decode-0": "pdserve.v1.DecodeService",
+        "router": ("pdserve.v1.GenerateService", set()),
+        "prefill-0": ("pdserve.v1.PrefillService", {kv_events}),
+        "decode-0": ("pdserve.v1.DecodeService", {kv_events}),
     }
-    for name, service_name in expected.items():
+    for name, (service_name, others) in expected.items():
         with grpc.insecure_channel(cluster.by_name(name).address) as channel:
             database = ProtoReflectionDescriptorDatabase(channel)
-            assert set(database.get_services()) == {service_name, HEALTH, REFLECTION}, name
+            assert set(database.get_services()) == {service_name, *others, HEALTH, REFLECTION}, name
             # The descriptors come along: a client can call without compiled stubs.
             assert database.FindFileContainingSymbol(service_name).name.endswith(".proto")
 

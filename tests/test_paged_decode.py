@@ -23,8 +23,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def reference(query, key_cache, value_cache, block_table, context_lens, scale):
-    """Gather each sequence's tokens and run softmax attention in float64, one head at a time."""
+def reference(query, key_cache, value_cache, block_table, context_lens, scale, sliding_window=None):
+    """Gather each sequence's tokens and run softmax attention in float64, one head at a time (over the
+    last sliding_window tokens only, when given)."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -34,6 +35,8 @@ def reference(query, key_cache, value_cache, block_table, context_lens, scale):
         blocks = block_table[b, : -(-n // block_size)].long()
         keys = key_cache[blocks].double().reshape(-1, num_kv_heads, head_dim)[:n]
         values = value_cache[blocks].double().reshape(-1, num_kv_heads, head_dim)[:n]
+        if sliding_window is not None:
+            keys, values = keys[max(0, n - sliding_window):], values[max(0, n - sliding_window):]
         for h in range(num_heads):
             weights = torch.softmax(keys[:, h // group] @ query[b, h].double() * scale, dim=0)
             out[b, h] = weights @ values[:, h // group]
@@ -95,6 +98,41 @@ def test_block_sizes_other_than_16(block_size):
     args = random_case(block_size, num_seqs=4, num_heads=8, num_kv_heads=2, head_dim=64, block_size=block_size,
                        contexts=[1, 31, 50, 77])
     assert_matches(args, 0.125)
+
+
+# A hang inside the kernel never returns to Python, so only the thread method can end the test.
+@pytest.mark.timeout(60, method="thread")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [2, 6, 8, 12, 14, 24, 36])
+def test_small_and_odd_head_sizes_end_and_match(head_dim, dtype):
+    # head_dim x element size under 64 bytes (a cache line) used to make the kernel loop forever; one kv
+    # head per task is the worst case (the prefetched span is one head's row).
+    for num_seqs in (1, 6):
+        args = random_case(head_dim, num_seqs=num_seqs, num_heads=4, num_kv_heads=1, head_dim=head_dim,
+                           block_size=8, contexts=[1, 7, 8, 9, 30, 41][:num_seqs], dtype=dtype)
+        assert_matches(args, head_dim ** -0.5, atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.timeout(60, method="thread")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [12, 64, 128])
+@pytest.mark.parametrize("sliding_window", [1, 5, 16, 33, 500])
+def test_sliding_window_sees_only_the_last_keys(sliding_window, head_dim, dtype):
+    contexts = [1, 5, 16, 17, 40, 100]
+    args = random_case(sliding_window + head_dim, num_seqs=len(contexts), num_heads=8, num_kv_heads=2,
+                       head_dim=head_dim, block_size=16, contexts=contexts, dtype=dtype)
+    out = paged_decode_attention(*args, head_dim ** -0.5, sliding_window)
+    expected = reference(*args, head_dim ** -0.5, sliding_window)
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=atol)
+    if sliding_window < max(contexts):
+        assert not torch.allclose(out.double(), reference(*args, head_dim ** -0.5), atol=atol, rtol=atol)
+
+
+def test_rejects_a_window_under_one():
+    args = random_case(1, num_seqs=1, num_heads=2, num_kv_heads=1, head_dim=16, block_size=16, contexts=[4])
+    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+        paged_decode_attention(*args, 0.25, 0)
 
 
 @pytest.mark.parametrize("head_dim", [40, 80])

@@ -88,3 +88,67 @@ def test_config_from_flags_and_validation():
         RouterConfig(prefill=config.prefill, decode=config.decode, max_prefill_retries=-1)
     with pytest.raises(SystemExit):
         build_arg_parser().parse_args(["--policy", "random"])
+
+
+# ---- KV-aware picks and conditional disaggregation ----------------------------------------------
+
+def test_kv_aware_picks_the_worker_holding_the_prefix():
+    workers = [view("a:1"), view("b:1")]
+    weights = policy.KvWeights(prefix_weight=1.0, load_weight=64.0)
+    assert policy.pick("kv-aware", workers, 0, num_prompt_tokens=400, cached_tokens={"b:1": 320},
+                       weights=weights).address == "b:1"
+    # Without cached tokens it is least-loaded (ties to the address).
+    assert policy.pick_kv_aware(workers, 400, {}, weights).address == "a:1"
+
+
+def test_kv_aware_weighs_the_prefix_against_load():
+    workers = [view("a:1", running=4), view("b:1")]
+    cached = {"a:1": 320}
+    # 320 cached tokens outweigh 4 queued requests at 64 tokens each (256) ...
+    assert policy.pick_kv_aware(workers, 400, cached, policy.KvWeights(1.0, 64.0)).address == "a:1"
+    # ... but not at 100 each (400).
+    assert policy.pick_kv_aware(workers, 400, cached, policy.KvWeights(1.0, 100.0)).address == "b:1"
+    assert policy.pick_kv_aware(workers, 400, cached, policy.KvWeights(1.0, 64.0), exclude={"a:1"}).address == "b:1"
+    assert policy.pick_kv_aware([view("a:1", overloaded=True)], 400, cached,
+                                policy.KvWeights()).reason is NoPick.ALL_OVERLOADED
+
+
+def test_short_uncached_suffix_goes_decode_only():
+    rule = policy.DisaggregationRule(max_local_prefill_tokens=64)
+    prefill, decode = [view("p:1")], view("d:1")
+    skip = policy.decide_route(40, prefill, decode, rule)
+    assert skip == policy.RouteDecision(policy.Route.DECODE_ONLY, policy.RouteReason.SHORT_UNCACHED_SUFFIX)
+    assert policy.decide_route(64, prefill, decode, rule).route is policy.Route.SPLIT
+    assert policy.decide_route(40, prefill, view("d:1", overloaded=True), rule).route is policy.Route.SPLIT
+    assert policy.decide_route(40, prefill, None, rule).route is policy.Route.SPLIT
+    assert policy.decide_route(0, prefill, decode, policy.DisaggregationRule()).route is policy.Route.SPLIT
+
+
+def test_saturated_prefill_sends_work_to_an_unsaturated_decode_pod():
+    rule = policy.DisaggregationRule(saturation_queue=4)
+    busy = [view("p:1", waiting=5), view("p:2", overloaded=True), view("p:3", healthy=False)]
+    decision = policy.decide_route(1000, busy, view("d:1", waiting=1), rule)
+    assert decision == policy.RouteDecision(policy.Route.DECODE_ONLY, policy.RouteReason.PREFILL_SATURATED)
+    assert policy.decide_route(1000, busy, view("d:1", waiting=4), rule).route is policy.Route.SPLIT
+    assert policy.decide_route(1000, [*busy, view("p:4", waiting=3)], view("d:1"), rule).route is policy.Route.SPLIT
+    off = policy.DisaggregationRule()
+    assert policy.decide_route(1000, busy, view("d:1"), off).route is policy.Route.SPLIT
+
+
+def test_kv_routing_flags():
+    args = build_arg_parser().parse_args([
+        "--prefill", "a:1", "--decode", "b:1", "--policy", "kv-aware", "--kv-prefix-weight", "2",
+        "--kv-load-weight", "10", "--local-prefill-below", "48", "--prefill-saturation-queue", "3",
+        "--kv-index-max-blocks", "1000",
+    ])
+    config = RouterConfig.from_args(args)
+    assert config.kv_weights == policy.KvWeights(2.0, 10.0)
+    assert config.disaggregation == policy.DisaggregationRule(48, 3)
+    assert config.kv_index_max_blocks == 1000 and config.needs_kv_index
+    default = RouterConfig.from_args(build_arg_parser().parse_args(["--prefill", "a:1", "--decode", "b:1"]))
+    assert default.policy == "kv-aware" and default.needs_kv_index
+    plain = RouterConfig.from_args(build_arg_parser().parse_args(
+        ["--prefill", "a:1", "--decode", "b:1", "--policy", "least-loaded"]))
+    assert not plain.needs_kv_index
+    with pytest.raises(ValueError, match="max_local_prefill_tokens must be >= 0"):
+        RouterConfig(prefill=plain.prefill, decode=plain.decode, disaggregation=policy.DisaggregationRule(-1, 0))

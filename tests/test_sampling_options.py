@@ -159,7 +159,7 @@ def test_regex_and_grammar_constrain_the_output(engine):
 
 
 def test_bad_constraints_are_rejected_with_the_reason():
-    compiler = GrammarCompiler(bpe_tokenizer(), 4096, EOS_TOKEN_ID)
+    compiler = GrammarCompiler(bpe_tokenizer(), 4096, [EOS_TOKEN_ID])
     with pytest.raises(ValueError, match="json_schema is not valid JSON"):
         compiler.compile(StructuredOutputSpec(json_schema="{not json"))
     with pytest.raises(ValueError, match="structured output"):

@@ -32,14 +32,14 @@ def allowed_from_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor
 class Grammar:
     """One request's matcher. Not thread-safe: the engine thread alone uses it."""
 
-    def __init__(self, matcher: LLMatcher, eos_token_id: int):
+    def __init__(self, matcher: LLMatcher, eos_token_ids: frozenset[int]):
         self._matcher = matcher
-        self._eos_token_id = eos_token_id
+        self._eos_token_ids = eos_token_ids
 
     def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
         """Advance over tokens; False (and the matcher stays in error) when the grammar rejects them."""
         for token in tokens:
-            if token == self._eos_token_id and self._matcher.is_stopped():
+            if token in self._eos_token_ids and self._matcher.is_stopped():
                 continue  # a complete output allows only EOS, which the matcher no longer consumes
             if not self._matcher.consume_token(token):
                 return False
@@ -63,11 +63,11 @@ class Grammar:
 class GrammarCompiler:
     """Compiles StructuredOutputSpecs against one tokenizer (a tokenizers.Tokenizer)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None):
-        if eos_token_id is None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...] | list[int]):
+        if not eos_token_ids:
             raise ValueError("structured output needs an end-of-sequence token to end a complete output")
-        self._tokenizer = LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos_token_id)
-        self._eos_token_id = eos_token_id
+        self._tokenizer = LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self._eos_token_ids = frozenset(eos_token_ids)
 
     def compile(self, spec: StructuredOutputSpec) -> Grammar:
         """ValueError naming the problem when the schema, regex or grammar is not valid."""
@@ -78,7 +78,7 @@ class GrammarCompiler:
         matcher = LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured output: {matcher.get_error()}")
-        return Grammar(matcher, self._eos_token_id)
+        return Grammar(matcher, self._eos_token_ids)
 
     @staticmethod
     def _grammar_text(spec: StructuredOutputSpec) -> str:

@@ -76,16 +76,31 @@ class EngineCounters:
 SMALL_STEP_TOKENS = 16
 
 
+def _check_pool_holds_model_len(max_model_len: int, cache_config: CacheConfig) -> None:
+    """A request of max_model_len tokens must fit the KV pool on its own; otherwise a long enough
+    request would wait forever for blocks that can never be free at once."""
+    pool_tokens = (cache_config.num_blocks - 1) * cache_config.block_size  # block 0 is reserved
+    if max_model_len > pool_tokens:
+        needed = -(-max_model_len // cache_config.block_size) + 1
+        raise ValueError(
+            f"max_model_len {max_model_len} does not fit the KV pool: {cache_config.num_blocks} blocks of "
+            f"{cache_config.block_size} tokens hold {pool_tokens} tokens (one block is reserved); "
+            f"use at least {needed} blocks or a max_model_len of at most {pool_tokens}"
+        )
+
+
 class LLMEngine:
     def __init__(self, model: LoadedModel | str | Path, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, connector: KVConnectorBase | None = None, *,
                  dtype: str | None = None, seed: int = 0, num_threads: int | None = None,
                  ngram_min: int = 1, ngram_max: int = 3, device: str = "cpu"):
         """model: a LoadedModel, a built-in preset name ("tiny", "100m") or an HF model directory.
+        dtype: "float32", "bfloat16" or "auto"/None (the checkpoint's dtype on a GPU, float32 on the CPU).
         seed: the built-in random weights' seed and the source of unseeded requests' seeds.
         num_threads: torch intra-op threads (None leaves torch's setting alone).
         device: where the model and the KV pool live ("cpu", "cuda", "cuda:1").
-        scheduler_config.max_model_len is capped at the model's max_position_embeddings."""
+        scheduler_config.max_model_len is capped at the model's max_position_embeddings; ValueError when
+        the KV pool cannot hold a request of that length."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self._max_threads = torch.get_num_threads()
@@ -96,7 +111,9 @@ class LLMEngine:
             raise ValueError(
                 f"speculative_method must be 'ngram' (the only proposer), got {scheduler_config.speculative_method!r}"
             )
-        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, seed=seed)
+        if not isinstance(model, LoadedModel):
+            model = load_model(model, dtype=dtype, seed=seed, device=device)
+        self.loaded = model
         self.loaded.model.to(device)
         self.loaded.model.pack_weights()
         self.model_config = self.loaded.config
@@ -106,8 +123,10 @@ class LLMEngine:
             scheduler_config = dataclasses.replace(
                 scheduler_config, max_model_len=self.model_config.max_position_embeddings
             )
-        eos_ids = self.model_config.eos_token_ids
-        self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
+        _check_pool_holds_model_len(scheduler_config.max_model_len, cache_config)
+        self.generation = self.loaded.generation
+        self.eos_token_ids = self.generation.eos_token_ids  # any of them ends a request
+        self.eos_token_id: int | None = self.generation.eos_token_id  # the primary one
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.connector = connector
@@ -118,7 +137,7 @@ class LLMEngine:
             num_speculative_tokens=scheduler_config.num_speculative_tokens,
             ngram_min=ngram_min, ngram_max=ngram_max, connector=connector,
             max_model_len=scheduler_config.max_model_len, seed=seed, device=device,
-            eos_token_id=self.eos_token_id,
+            eos_token_ids=tuple(self.eos_token_ids),
         )
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first structured request
         self.last_stats = None  # SchedulerStats of the latest step
@@ -134,6 +153,8 @@ class LLMEngine:
             raise ValueError(
                 f"request {request.request_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
             )
+        if len(self.eos_token_ids) > 1:
+            request.add_eos_token_ids(self.eos_token_ids[1:])
         spec = request.sampling_params.structured_output
         if spec is not None and request.structured_output_request is None:
             request.structured_output_request = StructuredOutputRequest(self._grammar_for(request, spec))
@@ -144,7 +165,7 @@ class LLMEngine:
         if self._grammar_compiler is None:
             if self.tokenizer is None:
                 raise ValueError("structured output needs the model's tokenizer (tokenizer.json in the model directory)")
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_id)
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         grammar = self._grammar_compiler.compile(spec)
         prior = request.prompt_token_ids[len(request.prompt_token_ids) - request.num_prior_output_tokens:]
         if prior and not grammar.accept_tokens(request.request_id, prior):
@@ -203,9 +224,9 @@ class LLMEngine:
     def generate(self, prompts: Sequence[Sequence[int] | str],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:
         """Run prompts (token ids, or text when the model has a tokenizer) to completion; outputs in
-        prompt order."""
+        prompt order. Without sampling_params, the checkpoint's generation_config.json defaults apply."""
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.generation.sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):

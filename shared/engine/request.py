@@ -334,6 +334,12 @@ class Request:
         if eos_token_id is not None and not self.sampling_params.ignore_eos:
             self._stop_ids = self._stop_ids | {eos_token_id}
 
+    def add_eos_token_ids(self, token_ids: tuple[int, ...]) -> None:
+        """A model's further EOS ids (a checkpoint may list several): each ends the request like a stop
+        token and is reported as the stop reason, as vLLM does; ignore_eos ignores them too."""
+        if not self.sampling_params.ignore_eos:
+            self._stop_ids = self._stop_ids | frozenset(token_ids)
+
     # ---- lifecycle ----------------------------------------------------------------------
     @property
     def skips_prefix_cache(self) -> bool:

@@ -126,6 +126,23 @@ class EngineLoop:
         stream._put(None)
         self._send(lambda: self._abort(request_id))
 
+    def call(self, fn: Callable[[Any], Any]) -> asyncio.Future:
+        """Run fn(engine) on the engine thread, between steps; resolves with its result (the KV event
+        feed takes its snapshots this way, so no step runs in the middle of one)."""
+        assert self._loop is not None, "start() first"
+        future = self._loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except BaseException as exc:  # handed to the caller, not swallowed
+                self._loop.call_soon_threadsafe(_set_exception, future, exc)
+            else:
+                self._loop.call_soon_threadsafe(_set_result, future, result)
+
+        self._send(run)
+        return future
+
     def wake(self) -> None:
         """Make the loop thread look for work now (e.g. a connector event arrived from another thread)."""
         self._wakeup.set()
@@ -250,3 +267,12 @@ class EngineLoop:
                 return
             self.engine.step()
 
+
+def _set_result(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

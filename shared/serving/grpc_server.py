@@ -1,6 +1,7 @@
 """One place for running a pdserve gRPC service: grpc.aio server with message-size limits, standard health
-(NOT_SERVING until the owner says ready), reflection, interceptors, unexpected-exception -> INTERNAL
-mapping, and graceful shutdown on SIGTERM/SIGINT.
+(readiness: the overall status "", NOT_SERVING until the owner says ready; liveness: the "liveness" service,
+SERVING while the process works), reflection, interceptors, unexpected-exception -> INTERNAL mapping, and
+graceful shutdown on SIGTERM/SIGINT within one deadline.
 """
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import inspect
 import logging
 import signal
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -18,6 +20,9 @@ from grpc_reflection.v1alpha import reflection
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# The health service name a liveness probe asks for: SERVING from start() until the server stops, whatever
+# the readiness says, so an orchestrator never restarts a process that merely waits for its peers or model.
+LIVENESS_SERVICE = "liveness"
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,7 @@ class GrpcServer:
         self._port: int | None = None
         self._stop_requested = asyncio.Event()
         self._stopped = False
+        self._shutdown_deadline: float | None = None
         self._on_shutdown: list[Callable[[], Any]] = []
 
     def add_service(
@@ -193,16 +199,25 @@ class GrpcServer:
         if port == 0:
             raise OSError(f"cannot bind {self.options.host}:{self.options.port}")
         await self.set_serving(False)
+        await self._health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await server.start()
         self._server, self._port = server, port
         logger.info("gRPC server listening on %s:%d (%s)", self.options.host, port, ", ".join(self.service_names))
         return port
 
     async def set_serving(self, is_serving: bool) -> None:
-        """Flips the overall and per-service health status (ignored once shutdown began)."""
+        """Flips readiness: the overall and per-service health status (ignored once shutdown began)."""
+        if self._stopped:
+            return
         status = health_pb2.HealthCheckResponse.SERVING if is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ["", *self.service_names]:
             await self._health.set(name, status)
+
+    def shutdown_seconds_left(self) -> float:
+        """Time left of the grace period once shutdown began (the whole grace period before)."""
+        if self._shutdown_deadline is None:
+            return self.options.grace_seconds
+        return max(0.0, self._shutdown_deadline - time.monotonic())
 
     def request_stop(self) -> None:
         """Asks serve_forever() to shut down gracefully (safe from a signal handler)."""
@@ -214,12 +229,15 @@ class GrpcServer:
             loop.add_signal_handler(signum, self.request_stop)
 
     async def stop(self, grace_seconds: float | None = None) -> None:
-        """Graceful shutdown: NOT_SERVING first (so balancers drain), owner callbacks, then let
-        in-flight RPCs finish for up to the grace period."""
+        """Graceful shutdown within one deadline: readiness NOT_SERVING first (so balancers drain), owner
+        callbacks (which may wait, see shutdown_seconds_left()), then in-flight RPCs get what is left.
+        Liveness stays SERVING until the server stops: a draining process still works."""
         if self._stopped or self._server is None:
             return
+        grace = self.options.grace_seconds if grace_seconds is None else grace_seconds
+        self._shutdown_deadline = time.monotonic() + grace
+        await self.set_serving(False)
         self._stopped = True
-        await self._health.enter_graceful_shutdown()
         for callback in self._on_shutdown:
             try:
                 result = callback()
@@ -227,8 +245,8 @@ class GrpcServer:
                     await result
             except Exception:  # noqa: BLE001 - shutdown must go on
                 logger.exception("shutdown callback failed")
-        grace = self.options.grace_seconds if grace_seconds is None else grace_seconds
-        await self._server.stop(grace)
+        await self._server.stop(self.shutdown_seconds_left())
+        await self._health.enter_graceful_shutdown()
         self._stop_requested.set()
 
     async def serve_forever(self, *, handle_signals: bool = True) -> None:

@@ -56,8 +56,24 @@ class ServiceMetrics:
             "kv_transfer_seconds", "Wall time spent on KV transfers.",
             namespace=NAMESPACE, registry=r,
         )
+        self.kv_pulls = Counter(
+            "kv_pulls", "KV pulls by the UCX transport they took and their outcome.", ["transport", "outcome"],
+            namespace=NAMESPACE, registry=r,
+        )
+        self.kv_transport_failures = Counter(
+            "kv_transport_failures", "Probe READs to a newly met prefill engine that did not deliver.",
+            ["transport"], namespace=NAMESPACE, registry=r,
+        )
         self.lease_expiries = Counter(
             "lease_expiries", "KV holds freed because their lease expired before release.",
+            namespace=NAMESPACE, registry=r,
+        )
+        self.prefix_cache_queried_tokens = Counter(
+            "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
+            namespace=NAMESPACE, registry=r,
+        )
+        self.prefix_cache_hit_tokens = Counter(
+            "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (not computed or pulled again).",
             namespace=NAMESPACE, registry=r,
         )
         self.requests = Counter(

@@ -48,6 +48,8 @@ class OutputText:
             stop_string = self._check_stop(len(piece))
             if stop_string is not None:
                 return TextDelta(kept, self._take(is_last=True), stop_string)
+        if is_last:  # bytes of a character that never completed go out as the whole decode renders them
+            self._text += self._stream.push([], final=True)
         return TextDelta(kept, self._take(is_last))
 
     def _check_stop(self, num_new_chars: int) -> str | None:

@@ -17,7 +17,7 @@ from shared.engine.kv_transfer.nixl_connector import NixlConnector
 from shared.engine.kv_transfer.nixl_consumer import NixlConsumer
 from shared.engine.kv_transfer.nixl_producer import NixlProducer
 from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
-from shared.engine.model.loader import load_model
+from shared.engine.model.loader import DTYPE_AUTO, DTYPE_CHOICES, load_model
 from shared.engine.request import Request
 from shared.serving.outcomes import InvalidRequest, PodOverloaded
 from shared.serving.settings import engine_settings, setting
@@ -44,7 +44,9 @@ class PodConfig:
     setting() metadata is a command-line flag (shared/serving/settings.py)."""
 
     model: str = field(default="tiny", metadata=setting("built-in preset (tiny, 100m) or an HF model directory"))
-    dtype: str = field(default="float32", metadata=setting("model and KV dtype", choices=("float32", "bfloat16")))
+    dtype: str = field(default=DTYPE_AUTO, metadata=setting(
+        "model and KV dtype; auto: the checkpoint's dtype on a GPU, float32 on the CPU", choices=DTYPE_CHOICES
+    ))
     seed: int = field(default=0, metadata=setting(
         "seed of the built-in random weights (prefill and decode must agree)"
     ))
@@ -70,7 +72,7 @@ class PodConfig:
     advertise_address: str = field(default="", metadata=setting(
         "host:port decode pods use to reach this pod (prefill; default: the bound host:port)"
     ))
-    num_threads: int | None = field(default=None, metadata=setting("torch intra-op threads (default: torch's)"))
+    num_threads: int | None = field(default=None, metadata=setting("torch intra-op threads (default: the container's CPU limit, else torch's)"))
     device: str = field(default="cpu", metadata=setting(
         "where the model and the KV pool live: cpu or cuda[:N] (NIXL then reads device memory)"
     ))
@@ -93,7 +95,7 @@ class Pod:
         """role None: a colocated pod (no connector) that runs whole requests itself."""
         self.role = role
         self.config = config
-        loaded = load_model(config.model, dtype=config.dtype, seed=config.seed)
+        loaded = load_model(config.model, dtype=config.dtype, seed=config.seed, device=config.device)
         model_config = loaded.config
         max_model_len = min(config.scheduler.max_model_len, model_config.max_position_embeddings)
         # A fresh id per process start: a restarted prefill pod cannot confirm an old hold.
@@ -121,6 +123,7 @@ class Pod:
         self.tokenizer = loaded.tokenizer
         self.vocab_size = model_config.vocab_size
         self.eos_token_id = self.engine.eos_token_id
+        self.eos_token_ids = self.engine.eos_token_ids
         self.max_model_len = max_model_len
 
     def _make_connector(self, role: KVRole, config: PodConfig) -> NixlConnector:

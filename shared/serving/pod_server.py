@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -15,6 +16,7 @@ from opentelemetry import context as otel_context
 from shared.serving.engine_thread import RequestTimeline
 from shared.serving.grpc_server import GrpcServer, ServerOptions
 from shared.engine.kv_transfer.connector import KVRole
+from shared.serving.cpu_limit import default_num_threads
 from shared.serving.metrics import ServiceMetrics, start_metrics_server
 from shared.serving.pod_call import PodCall
 from shared.serving.pod_runtime import CONSUMER_SETTINGS, PRODUCER_SETTINGS, Pod, PodConfig
@@ -31,6 +33,9 @@ GAUGE_INTERVAL_S = 0.5
 ENGINE_WATCH_INTERVAL_S = 0.5
 # How often a draining pod looks whether its last requests and holds are gone.
 DRAIN_POLL_S = 0.02
+# Where the KV data plane listens (UCX TCP, one port per network interface): declared in the manifests'
+# NetworkPolicies, so it must be a fixed range, not UCX's ephemeral default.
+DEFAULT_KV_PORT_RANGE = "20000-20099"
 
 
 def add_pod_flags(parser: argparse.ArgumentParser, *, default_port: int, role: KVRole | None) -> None:
@@ -42,6 +47,8 @@ def add_pod_flags(parser: argparse.ArgumentParser, *, default_port: int, role: K
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = any free; off if unset)")
     parser.add_argument("--otlp-endpoint", default=None, help="OTLP/gRPC trace endpoint, e.g. http://127.0.0.1:4317")
     parser.add_argument("--otel-sampling-ratio", type=float, default=None, help="trace sampling ratio in [0, 1]")
+    parser.add_argument("--kv-port-range", type=parse_port_range, default=DEFAULT_KV_PORT_RANGE,
+                        help=f"LOW-HIGH: the TCP ports the NIXL/UCX KV transfer listens on (default {DEFAULT_KV_PORT_RANGE})")
     parser.add_argument(
         "--grace-seconds", type=float, default=ServerOptions.grace_seconds,
         help="on SIGTERM: how long requests in flight (and KV held for a peer) may take to finish",
@@ -51,16 +58,33 @@ def add_pod_flags(parser: argparse.ArgumentParser, *, default_port: int, role: K
 
 
 def pod_config_from_args(args: argparse.Namespace) -> PodConfig:
-    return config_from_args(PodConfig, args)
+    """Without --num-threads, torch gets as many threads as the container's CPU limit allows."""
+    config = config_from_args(PodConfig, args)
+    if config.num_threads is None:
+        config = dataclasses.replace(config, num_threads=default_num_threads())
+    return config
+
+
+def parse_port_range(value: str) -> str:
+    """'LOW-HIGH' with 1024 <= LOW <= HIGH <= 65535 (argparse type)."""
+    low, separator, high = value.partition("-")
+    if not (separator and low.isdigit() and high.isdigit() and 1024 <= int(low) <= int(high) <= 65535):
+        raise argparse.ArgumentTypeError(f"expected LOW-HIGH with 1024 <= LOW <= HIGH <= 65535, got {value!r}")
+    return value
 
 
 async def refresh_gauges(pod: Pod, metrics: ServiceMetrics) -> None:
-    num_lease_expiries = 0
+    num_lease_expiries = num_queried = num_hit = 0
     while True:
         if pod.connector is not None:
             # The connector counts on the engine thread; the counter catches up here.
             metrics.lease_expiries.inc(pod.connector.num_lease_expiries - num_lease_expiries)
             num_lease_expiries = pod.connector.num_lease_expiries
+        counters = pod.engine.counters  # engine-thread totals, caught up the same way
+        queried, hit = counters.num_prefix_queried_tokens, counters.num_prefix_hit_tokens
+        metrics.prefix_cache_queried_tokens.inc(queried - num_queried)
+        metrics.prefix_cache_hit_tokens.inc(hit - num_hit)
+        num_queried, num_hit = queried, hit
         load = pod.load_report()
         metrics.set_queue(num_waiting=load.num_waiting, num_running=load.num_running)
         metrics.set_kv_blocks(
@@ -181,6 +205,11 @@ async def run_pod(
         ServerOptions(host=args.host, port=args.port, grace_seconds=args.grace_seconds),
         interceptors=tracing.server_interceptors(untraced),
     )
+    # UCX reads these when the NIXL agent starts, inside Pod(). Non-blocking connects: with UCX's default
+    # blocking connect, a peer whose KV ports drop packets stalls the engine thread for the kernel's whole
+    # SYN retry time (about two minutes) instead of failing the pull at its deadline.
+    os.environ["UCX_TCP_PORT_RANGE"] = args.kv_port_range
+    os.environ.setdefault("UCX_TCP_CONN_NB", "y")
     for add_to_server, servicer, name in services:
         servicer.use_tracing(tracing)
         server.add_service(add_to_server, servicer, name)
@@ -190,6 +219,8 @@ async def run_pod(
         port = await server.start()
         if role is KVRole.PRODUCER and not pod_config.advertise_address:
             pod_config = dataclasses.replace(pod_config, advertise_address=f"{args.host}:{port}")
+        logger.info("torch threads: %s; KV transfer ports: %s", pod_config.num_threads or "torch's default",
+                    args.kv_port_range)
         pod = await asyncio.get_running_loop().run_in_executor(None, Pod, role, pod_config)
         pod.loop.is_timing_requests = tracing.is_enabled  # the timelines only feed trace spans
         pod.start()
@@ -197,7 +228,7 @@ async def run_pod(
         async def shut_down() -> None:
             for _, servicer, _ in services:
                 servicer.is_draining = True
-            await drain(pod, args.grace_seconds)
+            await drain(pod, server.shutdown_seconds_left())
             await pod.stop()
             for _, servicer, _ in services:
                 await servicer.close()

@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 
 INSTRUMENTATION_NAME = "pdserve"
 # Probes hit these every few seconds; tracing them would bury the request traces.
-DEFAULT_UNTRACED_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+# The KV event stream lives as long as its router: a span for it would never end.
+DEFAULT_UNTRACED_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.", "/pdserve.v1.KvEventService/")
 _TRUE_WORDS = frozenset({"true", "1", "yes", "on"})
 # OpenTelemetry semantic conventions: these codes mark a SERVER span as failed; a client error
 # (bad argument, not found, cancelled by the caller, ...) is not a server fault.
@@ -51,6 +52,7 @@ class SpanAttr:
     KV_BLOCKS = "pdserve.kv.num_blocks"
     KV_GBPS = "pdserve.kv.gb_per_s"
     KV_OUTCOME = "pdserve.kv.outcome"
+    KV_TRANSPORT = "pdserve.kv.transport"  # the UCX transport of a pull (tcp, rdma, cma, cuda_ipc)
     KV_ENGINE_ID = "pdserve.kv.engine_id"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.engine.kv_cache.events import KvEvent
 from shared.engine.kv_transfer.handle import KvHandle, KvLayout, KvPullStats, KvSource
 from shared.engine.request import FinishReason, SamplingParams, TokenLogprobs
 
@@ -69,3 +70,14 @@ class DecodeChunk:
     finish_reason: FinishReason | None = None
     kv_pull: KvPullStats | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id, when asked for
+
+
+@dataclass(frozen=True)
+class KvEventUpdate:
+    """One message of a pod's prefix-cache event stream (a snapshot start replaces all earlier state)."""
+
+    engine_id: str
+    block_size: int
+    root_hash: bytes
+    is_snapshot: bool = False
+    events: list[KvEvent] = field(default_factory=list)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from shared.engine.kv_cache.events import KvEventKind, KvEventLog
 from shared.engine.kv_cache.hashing import BlockHash
 
 
@@ -42,6 +43,8 @@ class BlockPool:
         )
         self._cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        # Set while someone follows the prefix cache (a router subscribed): None costs one check.
+        self.event_log: KvEventLog | None = None
 
     # ---- queries --------------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -63,6 +66,10 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash in the prefix cache (a snapshot; call on the thread that owns the pool)."""
+        return list(self._cached)
 
     def free_block_ids(self) -> list[int]:
         """Free blocks in eviction order (next to be handed out first)."""
@@ -110,9 +117,13 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        if self.event_log is not None:
+            self.event_log.record(KvEventKind.STORED, block_hash)
 
     def _evict(self, block: KVCacheBlock) -> None:
         del self._cached[block.block_hash]
+        if self.event_log is not None:
+            self.event_log.record(KvEventKind.REMOVED, block.block_hash)
         block.block_hash = None
         self.num_evictions += 1
 
@@ -129,4 +140,6 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        if self.event_log is not None:
+            self.event_log.record(KvEventKind.CLEARED)
         return True

@@ -56,6 +56,11 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
 
     # ---- hashing --------------------------------------------------------------------------
+    @property
+    def root_hash(self) -> BlockHash:
+        """The parent hash of a request's first block (routers hash prompts from it too)."""
+        return self._root_hash
+
     def update_block_hashes(self, request: Request) -> list[BlockHash]:
         """Extend request.block_hashes to cover every full block of its known tokens."""
         hashes = request.block_hashes

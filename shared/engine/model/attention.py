@@ -39,6 +39,9 @@ class AttentionMetadata:
     # path; None selects the paged decode kernel (the runner leaves it out when the kernel is built)
     decode_key_mask: torch.Tensor | None
     spans: list[SequenceSpan]
+    # decode_key_mask for sliding-window layers (keys before the window masked too); set only for a
+    # model with such layers on the gather + SDPA path
+    decode_window_key_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -62,21 +65,39 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """query [T, H, D], key/value [T, KVH, D] (already written to the cache) -> output [T, H, D]."""
+                    meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """query [T, H, D], key/value [T, KVH, D] (already written to the cache) -> output [T, H, D].
+
+    sliding_window: the query at position i sees keys i - sliding_window + 1 .. i only (transformers'
+    sliding-window mask); the cache still holds every key, so only the masks change."""
     output = torch.empty_like(query)
     num_decode = meta.num_decode_tokens
     if num_decode:
-        output[:num_decode] = _decode_attention(query[:num_decode], key_cache, value_cache, meta, scale)
+        output[:num_decode] = _decode_attention(query[:num_decode], key_cache, value_cache, meta, scale,
+                                                sliding_window)
     for run in _fresh_prompt_runs(meta.spans):
         rows = slice(run[0].query_start, run[-1].query_start + run[-1].query_len)
-        output[rows] = _fresh_prompts_attention(query[rows], key[rows], value[rows], len(run), scale)
+        output[rows] = _fresh_prompts_attention(query[rows], key[rows], value[rows], len(run), scale,
+                                                sliding_window)
     for span in meta.spans:
         if _is_fresh_prompt(span):
             continue  # served above, batched with its run
         rows = slice(span.query_start, span.query_start + span.query_len)
-        output[rows] = _span_attention(query[rows], key_cache, value_cache, span, scale)
+        output[rows] = _span_attention(query[rows], key_cache, value_cache, span, scale, sliding_window)
     return output
+
+
+def _additive_mask(query_positions: torch.Tensor, num_keys: int, sliding_window: int | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """[num_queries, num_keys]: 0 where the query at that position may see the key, -inf elsewhere
+    (keys after it, and keys at or before position - sliding_window)."""
+    key_positions = torch.arange(num_keys, device=query_positions.device).unsqueeze(0)
+    query_positions = query_positions.unsqueeze(1)
+    hidden = key_positions > query_positions
+    if sliding_window is not None:
+        hidden |= key_positions <= query_positions - sliding_window
+    mask = torch.zeros(hidden.shape, dtype=dtype, device=query_positions.device)
+    return mask.masked_fill_(hidden, float("-inf"))
 
 
 def _is_fresh_prompt(span: SequenceSpan) -> bool:
@@ -102,23 +123,33 @@ def _fresh_prompt_runs(spans: list[SequenceSpan]) -> list[list[SequenceSpan]]:
 
 
 def _fresh_prompts_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             num_prompts: int, scale: float) -> torch.Tensor:
+                             num_prompts: int, scale: float, sliding_window: int | None) -> torch.Tensor:
     """num_prompts equal-length prompts laid end to end: [N * L, heads, D] -> causal attention each."""
     total, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
+    prompt_len = total // num_prompts
     q = query.view(num_prompts, -1, num_heads, head_dim).transpose(1, 2)
     k = key.view(num_prompts, -1, num_kv_heads, head_dim).transpose(1, 2)
     v = value.view(num_prompts, -1, num_kv_heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    if sliding_window is None or prompt_len <= sliding_window:
+        # Within the window, sliding-window attention is plain causal attention.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        positions = torch.arange(prompt_len, device=query.device)
+        mask = _additive_mask(positions, prompt_len, sliding_window, query.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).reshape(total, num_heads, head_dim)
 
 
 def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                      meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
     if meta.decode_key_mask is None:
         # The kernel reads each request's blocks in place, only up to its context length: no gather, no padding.
         return paged_decode_attention(query, key_cache, value_cache, meta.decode_block_table,
-                                      meta.decode_context_lens, scale)
+                                      meta.decode_context_lens, scale, sliding_window)
+    key_mask = meta.decode_key_mask if sliding_window is None else meta.decode_window_key_mask
+    if key_mask is None:
+        raise ValueError("a sliding-window layer needs AttentionMetadata.decode_window_key_mask on this path")
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     # No kernel (another device, no compiler): gather each request's blocks (index_select copies
@@ -129,13 +160,13 @@ def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     values = value_cache.index_select(0, flat_table).view(num_seqs, -1, num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=meta.decode_key_mask, scale=scale, enable_gqa=True,
+        attn_mask=key_mask, scale=scale, enable_gqa=True,
     )
     return out.view(num_seqs, num_heads, head_dim)
 
 
 def _span_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    span: SequenceSpan, scale: float) -> torch.Tensor:
+                    span: SequenceSpan, scale: float, sliding_window: int | None) -> torch.Tensor:
     """A span with earlier context (a later prefill chunk, a prefix-cache hit, a decode with drafts,
     or a kept suffix of queries): read the whole context back from the cache blocks."""
     query_len, num_heads, head_dim = query.shape
@@ -147,8 +178,7 @@ def _span_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     k = k.transpose(0, 1).unsqueeze(0)
     v = v.transpose(0, 1).unsqueeze(0)
     # Query i sits at position num_past + i and may see keys 0..num_past + i (bottom-right causal).
-    query_pos = torch.arange(num_past, span.context_len, device=query.device).unsqueeze(1)
-    future = torch.arange(span.context_len, device=query.device).unsqueeze(0) > query_pos
-    mask = torch.zeros(future.shape, dtype=query.dtype, device=query.device).masked_fill_(future, float("-inf"))
+    query_positions = torch.arange(num_past, span.context_len, device=query.device)
+    mask = _additive_mask(query_positions, span.context_len, sliding_window, query.dtype)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2) in torch, running on the paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in torch, running on the paged KV cache.
 
 q/k/v and gate/up projections are fused so a step does one matmul per projection for the whole
 mixed batch; the loader splits and joins Hugging Face weights to match.
@@ -91,7 +91,7 @@ def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchConfig):
+    def __init__(self, config: ModelArchConfig, layer: int):
         super().__init__()
         dtype = config.torch_dtype
         self.num_heads = config.num_heads
@@ -100,12 +100,18 @@ class DecoderLayer(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
+        self.sliding_window = config.layer_sliding_window(layer)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.qkv_proj = _linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, dtype)
-        self.o_proj = _linear(self.q_size, config.hidden_size, False, dtype)
+        self.o_proj = _linear(self.q_size, config.hidden_size, config.o_proj_bias, dtype)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, False, dtype)
-        self.down_proj = _linear(config.intermediate_size, config.hidden_size, False, dtype)
+        self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, dtype)
+        self.down_proj = _linear(config.intermediate_size, config.hidden_size, config.mlp_bias, dtype)
         self.intermediate_size = config.intermediate_size
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -116,6 +122,8 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_proj(self.input_layernorm(hidden))
         # Rotate q and k heads together: one set of elementwise ops instead of two.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
         qk = apply_rope(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -125,7 +133,7 @@ class DecoderLayer(nn.Module):
             q, k, v, hidden = (t.index_select(0, keep.rows) for t in (q, k, v, hidden))
             meta = keep.meta
             num_tokens = hidden.shape[0]
-        attn = paged_attention(q, k, v, key_cache, value_cache, meta, self.scale)
+        attn = paged_attention(q, k, v, key_cache, value_cache, meta, self.scale, self.sliding_window)
         hidden = hidden + self.o_proj(attn.view(num_tokens, self.q_size))
         gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
@@ -145,7 +153,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device="meta")
         self.embed_tokens = self.embed_tokens.to_empty(device="cpu").requires_grad_(False)
         self.rotary = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head_packed: torch.Tensor | None = None  # set by pack_weights()
         if config.tie_word_embeddings:

@@ -4,6 +4,7 @@ and writes our weights back out as an HF-format directory (so transformers can l
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,10 +13,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from shared.engine.model.generation_config import GenerationDefaults, generation_defaults
 from shared.engine.model.model_config import PRESETS, ModelArchConfig, preset
 from shared.engine.model.llama import LlamaModel
+from shared.engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 INIT_STD = 0.02
+DTYPE_AUTO = "auto"
+DTYPE_CHOICES = (DTYPE_AUTO, "float32", "bfloat16")
 
 
 @dataclass
@@ -23,13 +30,36 @@ class LoadedModel:
     config: ModelArchConfig
     model: LlamaModel
     tokenizer: Any | None  # tokenizers.Tokenizer when the directory has tokenizer.json
+    generation: GenerationDefaults  # every EOS id and the default sampling parameters
 
 
-def load_model(source: str | Path, dtype: str | None = None, seed: int = 0) -> LoadedModel:
-    """source: a preset name ("tiny", "100m") for random weights from seed, or an HF model directory."""
+def load_model(source: str | Path, dtype: str | None = DTYPE_AUTO, seed: int = 0,
+               device: torch.device | str = "cpu") -> LoadedModel:
+    """source: a preset name ("tiny", "100m") for random weights from seed, or an HF model directory.
+    dtype: "float32", "bfloat16", or "auto" (None too): the checkpoint's own dtype when the model will run
+    on a GPU, float32 on the CPU (where bfloat16 matmuls are slower, and float32 matches transformers)."""
+    requested = dtype
+    dtype = _resolve_dtype(dtype, device)
+    loaded = _load(source, dtype, seed)
+    how = "as asked" if requested not in (None, DTYPE_AUTO) else f"auto on {torch.device(device).type}"
+    logger.info("model %s: dtype %s (%s)", loaded.config.name, loaded.config.dtype, how)
+    return loaded
+
+
+def _resolve_dtype(dtype: str | None, device: torch.device | str) -> str | None:
+    """A concrete dtype, or None for the checkpoint's own."""
+    if dtype not in (None, *DTYPE_CHOICES):
+        raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
+    if dtype in (None, DTYPE_AUTO):
+        return None if torch.device(device).type == "cuda" else "float32"
+    return dtype
+
+
+def _load(source: str | Path, dtype: str | None, seed: int) -> LoadedModel:
     if isinstance(source, str) and source in PRESETS:
         config = preset(source, dtype or "float32")
-        return LoadedModel(config=config, model=random_model(config, seed), tokenizer=None)
+        return LoadedModel(config=config, model=random_model(config, seed), tokenizer=None,
+                           generation=generation_defaults(config.eos_token_ids, None))
     path = Path(source)
     if not path.is_dir():
         raise ValueError(f"model {str(source)!r} is neither a built-in ({sorted(PRESETS)}) nor a directory")
@@ -39,16 +69,8 @@ def load_model(source: str | Path, dtype: str | None = None, seed: int = 0) -> L
     config = ModelArchConfig.from_json_file(config_path, dtype=dtype)
     model = LlamaModel(config)
     load_hf_weights(model, _read_safetensors(path, config.torch_dtype))
-    return LoadedModel(config=config, model=model.eval(), tokenizer=load_tokenizer(path))
-
-
-def load_tokenizer(path: Path) -> Any | None:
-    tokenizer_file = path / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(tokenizer_file))
+    return LoadedModel(config=config, model=model.eval(), tokenizer=load_tokenizer(path, required=False),
+                       generation=generation_defaults(config.eos_token_ids, path))
 
 
 def random_model(config: ModelArchConfig, seed: int) -> LlamaModel:
@@ -91,13 +113,30 @@ def to_hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
             qb, kb, vb = layer.qkv_proj.bias.split((q_size, kv_size, kv_size))
             out.update({prefix + "self_attn.q_proj.bias": qb, prefix + "self_attn.k_proj.bias": kb,
                         prefix + "self_attn.v_proj.bias": vb})
+        if layer.o_proj.bias is not None:
+            out[prefix + "self_attn.o_proj.bias"] = layer.o_proj.bias
+        if layer.gate_up_proj.bias is not None:
+            gate_b, up_b = layer.gate_up_proj.bias.split(config.intermediate_size)
+            out.update({prefix + "mlp.gate_proj.bias": gate_b, prefix + "mlp.up_proj.bias": up_b,
+                        prefix + "mlp.down_proj.bias": layer.down_proj.bias})
+        if layer.q_norm is not None:
+            out[prefix + "self_attn.q_norm.weight"] = layer.q_norm.weight
+            out[prefix + "self_attn.k_norm.weight"] = layer.k_norm.weight
     return {name: t.contiguous() for name, t in out.items()}
 
 
+# Checkpoint entries that carry no weights of their own: rope tables some exporters save, and the LM head
+# of a tied model (the embedding is the head).
+_DERIVED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
 def load_hf_weights(model: LlamaModel, weights: dict[str, torch.Tensor]) -> None:
+    taken: set[str] = set()
+
     def take(name: str) -> torch.Tensor:
         if name not in weights:
             raise ValueError(f"checkpoint is missing weight {name!r}")
+        taken.add(name)
         return weights[name]
 
     def put(dest: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -118,12 +157,32 @@ def load_hf_weights(model: LlamaModel, weights: dict[str, torch.Tensor]) -> None
                 bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
                 put(layer.qkv_proj.bias, bias, p + "self_attn.qkv_proj.bias")
             put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+            if layer.o_proj.bias is not None:
+                put(layer.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
+            if layer.q_norm is not None:
+                put(layer.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
+                put(layer.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
             gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             put(layer.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
             put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            if layer.gate_up_proj.bias is not None:
+                gate_up_bias = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
+                put(layer.gate_up_proj.bias, gate_up_bias, p + "mlp.gate_up_proj.bias")
+                put(layer.down_proj.bias, take(p + "mlp.down_proj.bias"), p + "mlp.down_proj.bias")
             put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
             put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"),
                 p + "post_attention_layernorm.weight")
+    _refuse_unused(weights, taken, tied=model.lm_head is None)
+
+
+def _refuse_unused(weights: dict[str, torch.Tensor], taken: set[str], tied: bool) -> None:
+    """A weight the config does not account for (a bias with attention_bias false, say) would be dropped
+    and the output silently differ: refuse the checkpoint instead."""
+    unused = sorted(name for name in weights if name not in taken and not name.endswith(_DERIVED_WEIGHT_SUFFIXES)
+                    and not (tied and name == "lm_head.weight"))
+    if unused:
+        more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
+        raise ValueError(f"checkpoint has weights config.json does not account for: {unused[:5]}{more}")
 
 
 def _read_safetensors(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Model architecture config (Llama, Mistral, Qwen2) parsed from a Hugging Face config.json, plus presets.
+"""Model architecture config (Llama, Mistral, Qwen2, Qwen3) parsed from a Hugging Face config.json, plus presets.
 
 The presets ("tiny", "100m") are the built-in random-weight models; "tiny" is the default.
 """
@@ -12,12 +12,18 @@ from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+from shared.engine.model.fidelity import SUPPORTED_MODEL_TYPES, check_fidelity
+from shared.engine.model.generation_config import eos_ids
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_PRESET = "tiny"
 
 # model_type -> the transformers class name written into config.json "architectures"
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+# Where transformers' default differs by model type when config.json leaves sliding_window out.
+_DEFAULT_SLIDING_WINDOW = {"mistral": 4096}
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,10 @@ class ModelArchConfig:
     rope_scaling: dict[str, Any] | None = None  # e.g. {"rope_type": "llama3", "factor": 8.0, ...}
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2 has biases on q, k and v
+    attention_bias: bool = False  # biases on q, k and v (and on o for Llama and Qwen3); Qwen2 always has them
+    mlp_bias: bool = False  # biases on gate, up and down (Llama only)
+    sliding_window: int | None = None  # keys a query sees on sliding layers, itself included
+    layer_types: tuple[str, ...] | None = None  # per layer FULL_ATTENTION or SLIDING_ATTENTION; None: derived
     bos_token_id: int | None = 1
     eos_token_id: int | tuple[int, ...] | None = 2
     dtype: str = "float32"
@@ -64,8 +73,46 @@ class ModelArchConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.model_type == "qwen2":
             object.__setattr__(self, "attention_bias", True)  # Qwen2 always has q/k/v biases
+        if self.model_type == "mistral":
+            object.__setattr__(self, "attention_bias", False)  # Mistral never has biases
+        if self.mlp_bias and self.model_type != "llama":
+            raise ValueError(f"mlp_bias is a Llama option; {self.model_type} has no MLP biases")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        self._check_sliding_window()
+
+    def _check_sliding_window(self) -> None:
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
+        if self.layer_types is None:
+            kind = FULL_ATTENTION if self.sliding_window is None else SLIDING_ATTENTION
+            object.__setattr__(self, "layer_types", (kind,) * self.num_layers)
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        for kind in self.layer_types:
+            if kind not in (FULL_ATTENTION, SLIDING_ATTENTION):
+                raise ValueError(f"unsupported layer type {kind!r} (supported: {FULL_ATTENTION}, {SLIDING_ATTENTION})")
+        if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The window of that layer's attention, or None for full attention."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return SLIDING_ATTENTION in self.layer_types
+
+    @property
+    def o_proj_bias(self) -> bool:
+        # Llama and Qwen3 put attention_bias on the output projection too; Qwen2 only on q, k and v.
+        return self.attention_bias and self.model_type in ("llama", "qwen3")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3: an RMSNorm over head_dim on every query and key head, before rope."""
+        return self.model_type == "qwen3"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -73,11 +120,7 @@ class ModelArchConfig:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        if self.eos_token_id is None:
-            return ()
-        if isinstance(self.eos_token_id, int):
-            return (self.eos_token_id,)
-        return tuple(self.eos_token_id)
+        return eos_ids(self.eos_token_id)
 
     def with_dtype(self, dtype: str) -> "ModelArchConfig":
         return dataclasses.replace(self, dtype=dtype)
@@ -85,20 +128,13 @@ class ModelArchConfig:
     # ---- Hugging Face config.json ------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], name: str = "custom", dtype: str | None = None) -> "ModelArchConfig":
-        model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r} (supported: {SUPPORTED_MODEL_TYPES})")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {hf.get('hidden_act')!r} (only silu)")
+        """dtype: "float32" or "bfloat16"; None takes the checkpoint's own (float16 runs as float32)."""
+        check_fidelity(hf)
+        model_type = hf["model_type"]
         rope_theta, rope_scaling = _parse_rope(hf)
-        max_positions = hf.get("max_position_embeddings", 2048)
-        window = hf.get("sliding_window")
-        if hf.get("use_sliding_window", model_type == "mistral") and window:
-            # Attention here is always full; within the window that is exactly sliding-window attention,
-            # so sequences are capped at the window instead of silently diverging past it.
-            max_positions = min(max_positions, int(window))
         if dtype is None:
             dtype = _parse_dtype(hf.get("torch_dtype") or hf.get("dtype"))
+        sliding_window, layer_types = _parse_sliding_window(hf)
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -111,10 +147,13 @@ class ModelArchConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=max_positions,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            # Qwen2 always carries q/k/v biases; Llama and Mistral only when attention_bias says so.
-            attention_bias=True if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
+            # Qwen2 always carries q/k/v biases and Mistral never; Llama and Qwen3 when attention_bias says so.
+            attention_bias=bool(hf.get("attention_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)) and model_type == "llama",
+            sliding_window=sliding_window,
+            layer_types=layer_types,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             dtype=dtype,
@@ -150,14 +189,38 @@ class ModelArchConfig:
             "torch_dtype": self.dtype,
             "attention_dropout": 0.0,
         }
-        if self.model_type in ("llama", "mistral"):
+        if self.model_type in ("llama", "qwen3"):
             hf["attention_bias"] = self.attention_bias
-            hf["mlp_bias"] = False
-        if self.model_type in ("mistral", "qwen2"):
-            hf["sliding_window"] = None
-        if self.model_type == "qwen2":
-            hf["use_sliding_window"] = False
+        if self.model_type == "llama":
+            hf["mlp_bias"] = self.mlp_bias
+        if self.model_type == "mistral":
+            hf["sliding_window"] = self.sliding_window
+        if self.model_type in ("qwen2", "qwen3"):
+            hf["use_sliding_window"] = self.sliding_window is not None
+            hf["sliding_window"] = self.sliding_window
+            hf["max_window_layers"] = self.num_layers
+            hf["layer_types"] = list(self.layer_types)
         return hf
+
+
+def _parse_sliding_window(hf: dict[str, Any]) -> tuple[int | None, tuple[str, ...] | None]:
+    """(window, layer types) the way transformers reads them: Mistral windows every layer (4096 when the
+    field is absent); Qwen2 and Qwen3 only with use_sliding_window, on layers from max_window_layers on
+    unless layer_types lists them; Llama has no window."""
+    model_type = hf["model_type"]
+    if model_type == "llama":
+        return None, None
+    window = hf.get("sliding_window", _DEFAULT_SLIDING_WINDOW.get(model_type))
+    if model_type == "mistral":
+        return (int(window) if window else None), None
+    if not hf.get("use_sliding_window", False) or not window:
+        return None, (FULL_ATTENTION,) * hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        first_sliding = hf.get("max_window_layers", 28)
+        layer_types = [SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION
+                       for i in range(hf["num_hidden_layers"])]
+    return int(window), tuple(layer_types)
 
 
 def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -170,12 +233,8 @@ def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     else:
         theta = float(hf.get("rope_theta", 10000.0))
         scaling = hf.get("rope_scaling")
-    if scaling is not None:
-        rope_type = scaling.get("rope_type", scaling.get("type"))
-        if rope_type not in ("llama3", "linear", "default"):
-            raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: llama3, linear)")
-        if rope_type == "default":
-            scaling = None
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
     return theta, scaling
 
 

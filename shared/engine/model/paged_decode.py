@@ -1,46 +1,35 @@
 """Decode attention (one query token per sequence) read straight from the paged KV cache by a C++ kernel.
 
-The kernel (csrc/paged_decode_*) is compiled on first use with torch's JIT extension builder and cached in
-torch's extensions directory (TORCH_EXTENSIONS_DIR); when it cannot be built, callers keep the SDPA path.
+The kernel (csrc/paged_decode_*) is built at install time by setup.py, or else at first use (kernel_build.py);
+when it can be neither loaded nor built, callers keep the SDPA path.
 """
 from __future__ import annotations
 
 import functools
 import logging
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
+from shared.engine.model import kernel_build
+
 logger = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).parent / "csrc"
-# Separate files so the JIT build compiles the instruction-set copies of the kernel in parallel.
-_SOURCES = tuple(str(_CSRC / name) for name in ("paged_decode_op.cpp", "paged_decode_avx512.cpp",
-                                               "paged_decode_avx2.cpp", "paged_decode_generic.cpp"))
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-# -O3 and OpenMP only. The sources build AVX-512, AVX2 and generic copies of the kernel and pick one at run
-# time, so no -march flag ties a cached build to the CPU that compiled it. Without -fopenmp, at::parallel_for
-# (inlined from torch's headers) would run serially; with it, it runs on torch's own OpenMP pool, since the
-# extension's libgomp.so.1 resolves to the copy torch has already loaded.
-_CFLAGS = ("-O3", "-fopenmp", "-Wno-psabi")
-_LDFLAGS = ("-fopenmp",)
 
 
 @functools.cache
 def _kernel() -> Callable[..., torch.Tensor] | None:
-    """Builds (or finds the cached build of) the extension once per process; None if that fails."""
+    """Loads the extension (prebuilt at install, else built or found in the build folder) once per process;
+    None if that fails."""
     try:
-        from torch.utils import cpp_extension
-
-        cpp_extension.load(name="pdserve_paged_decode", sources=list(_SOURCES), extra_cflags=list(_CFLAGS),
-                           extra_ldflags=list(_LDFLAGS), is_python_module=False, verbose=False)
+        origin = kernel_build.load_library()
         op = torch.ops.pdserve_paged_decode.paged_decode_attention
     except Exception as exc:  # no compiler or ninja, a build error, an unloadable library: all mean "use SDPA"
         logger.warning("paged decode kernel unavailable, decode attention keeps the SDPA path: %s",
                        _last_lines(str(exc)))
         return None
-    logger.info("paged decode kernel loaded (%s code path)", torch.ops.pdserve_paged_decode.isa())
+    logger.info("paged decode kernel loaded (%s; %s code path)", origin, torch.ops.pdserve_paged_decode.isa())
     return op
 
 
@@ -55,13 +44,15 @@ def paged_decode_available(dtype: torch.dtype = torch.float32, device: torch.dev
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_table: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           sliding_window: int | None = None) -> torch.Tensor:
     """Softmax attention of each sequence's single query over its first context_lens[b] cached tokens.
 
     query [B, H, D]; key_cache / value_cache [num_blocks, block_size, KVH, D] with H a multiple of KVH
     (query head h reads kv head h // (H // KVH)); block_table [B, max_blocks] int64 or int32, token t of
     sequence b at block_table[b, t // block_size], offset t % block_size; context_lens [B], each in
-    [1, max_blocks * block_size]. Returns a new contiguous [B, H, D] tensor of query's dtype.
+    [1, max_blocks * block_size]. sliding_window: each query sees only its last sliding_window keys
+    (itself included), as Mistral's and Qwen2's sliding-window layers do. Returns a new contiguous [B, H, D] tensor of query's dtype.
     Raises ValueError on malformed input, RuntimeError if the kernel is unavailable.
     """
     if query.device.type != "cpu":
@@ -71,4 +62,4 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("paged decode kernel unavailable (see the earlier warning); check paged_decode_available()")
-    return kernel(query, key_cache, value_cache, block_table, context_lens, float(scale))
+    return kernel(query, key_cache, value_cache, block_table, context_lens, float(scale), sliding_window)

@@ -5,6 +5,7 @@ and calls the worker side of a KV connector around each forward pass. It never d
 """
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ from shared.engine.model.sampler import RowHistory, output_logprobs, prompt_logp
 from shared.engine.model.spec_decode import NgramProposer
 from shared.engine.request import SamplingParams
 from shared.engine.sched.output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,10 +51,10 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, *,
                  num_speculative_tokens: int = 0, ngram_min: int = 1, ngram_max: int = 3,
                  connector: KVConnectorBase | None = None, max_model_len: int | None = None, seed: int = 0,
-                 device: torch.device | str = "cpu", eos_token_id: int | None = None):
+                 device: torch.device | str = "cpu", eos_token_ids: tuple[int, ...] = ()):
         """device: where the KV pool and every input live; the model must already be there.
-        eos_token_id: held back (with each request's stop tokens) until the request's min_tokens."""
-        self.eos_token_id = eos_token_id
+        eos_token_ids: held back (with each request's stop tokens) until the request's min_tokens."""
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.device = torch.device(device)
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
@@ -60,6 +63,8 @@ class ModelRunner:
         # not on the first decode step (a cold build takes about 10 s on 2 cores). Without it, decodes
         # take the gather + SDPA path, which needs a key mask.
         self._uses_decode_kernel = paged_decode_available(self.config.torch_dtype, self.device)
+        logger.info("decode attention path: %s", "paged decode kernel" if self._uses_decode_kernel
+                    else f"gather + SDPA (no paged kernel for {self.config.torch_dtype} on {self.device.type})")
         self.model = loaded.model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -130,8 +135,8 @@ class ModelRunner:
 
     def _stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
         stop_ids = set(params.stop_token_ids)
-        if self.eos_token_id is not None and not params.ignore_eos:
-            stop_ids.add(self.eos_token_id)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
         return frozenset(stop_ids)
 
     def _schedule(self, so: SchedulerOutput) -> list[_ScheduledRequest]:
@@ -278,6 +283,7 @@ class ModelRunner:
         keep_meta = AttentionMetadata(
             slot_mapping=None, num_decode_tokens=num_decodes, decode_block_table=meta.decode_block_table,
             decode_context_lens=meta.decode_context_lens, decode_key_mask=meta.decode_key_mask, spans=spans,
+            decode_window_key_mask=meta.decode_window_key_mask,
         )
         rows = self._ids(kept_rows)
         return OutputRows(rows=rows, meta=keep_meta), [position[row] for row in logit_rows]
@@ -285,7 +291,7 @@ class ModelRunner:
     def _attention_metadata(self, scheduled: list[_ScheduledRequest]) -> AttentionMetadata:
         bs = self.block_size
         decodes = [r for r in scheduled if len(r.input_ids) == 1]
-        table, lens, mask = None, None, None
+        table, lens, mask, window_mask = None, None, None, None
         if decodes:
             context = [r.start + 1 for r in decodes]
             width = max(-(-c // bs) for c in context)
@@ -293,6 +299,8 @@ class ModelRunner:
             lens = self._ids(context)
             if not self._uses_decode_kernel:
                 mask = self._decode_key_mask(lens, width * bs)
+                if self.config.has_sliding_window:
+                    window_mask = self._decode_key_mask(lens, width * bs, self.config.sliding_window)
         spans = []
         row = len(decodes)
         for r in scheduled[len(decodes):]:
@@ -302,11 +310,17 @@ class ModelRunner:
             spans.append(SequenceSpan(query_start=row, query_len=n, context_len=context_len, block_ids=block_ids))
             row += n
         return AttentionMetadata(slot_mapping=None, num_decode_tokens=len(decodes), decode_block_table=table,
-                                 decode_context_lens=lens, decode_key_mask=mask, spans=spans)
+                                 decode_context_lens=lens, decode_key_mask=mask, spans=spans,
+                                 decode_window_key_mask=window_mask)
 
-    def _decode_key_mask(self, context_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
-        """[num_decodes, 1, 1, num_keys]: 0 for each request's context keys, -inf past it."""
-        invalid = torch.arange(num_keys, device=self.device).unsqueeze(0) >= context_lens.unsqueeze(1)
+    def _decode_key_mask(self, context_lens: torch.Tensor, num_keys: int,
+                         sliding_window: int | None = None) -> torch.Tensor:
+        """[num_decodes, 1, 1, num_keys]: 0 for each request's context keys (the last sliding_window of
+        them when given), -inf elsewhere."""
+        key_positions = torch.arange(num_keys, device=self.device).unsqueeze(0)
+        invalid = key_positions >= context_lens.unsqueeze(1)
+        if sliding_window is not None:
+            invalid |= key_positions < (context_lens - sliding_window).unsqueeze(1)
         # An additive float mask: SDPA's CPU kernel runs markedly faster with it than with a bool one.
         mask = torch.zeros(invalid.shape, dtype=self.config.torch_dtype, device=self.device)
         mask.masked_fill_(invalid, float("-inf"))

@@ -164,20 +164,29 @@ class Prefetcher {
   int64_t lines_per_step_;
 };
 
-// The part of the cache one task reads: a sequence's blocks, restricted to a range of kv heads.
+// The part of the cache one task reads: a sequence's blocks, restricted to a range of kv heads. With a
+// sliding window only the blocks holding the window's keys are read; token positions (and the logit
+// buffer) count from the first of them.
 template <typename T>
 struct TaskBlocks {
   const T* key;  // at the first kv head of the range
   const T* value;
-  const int64_t* blocks;
-  int64_t context, num_blocks;
+  const int64_t* blocks;  // from the first block read
+  int64_t context;        // tokens from the first block read up to and including the query's own
+  int64_t first_visible;  // keys before this one (in the same numbering) are outside the window
+  int64_t num_blocks;     // blocks read
 
   TaskBlocks(const DecodeParams& p, int64_t seq, int64_t first_kv_head)
       : key(static_cast<const T*>(p.key) + first_kv_head * p.k_stride_head),
-        value(static_cast<const T*>(p.value) + first_kv_head * p.v_stride_head),
-        blocks(p.block_table + seq * p.table_stride),
-        context(p.context_lens[seq]),
-        num_blocks((context + p.block_size - 1) / p.block_size) {}
+        value(static_cast<const T*>(p.value) + first_kv_head * p.v_stride_head) {
+    const int64_t full_context = p.context_lens[seq];
+    const int64_t first_key = p.sliding_window > 0 ? std::max<int64_t>(0, full_context - p.sliding_window) : 0;
+    const int64_t first_block = first_key / p.block_size;
+    blocks = p.block_table + seq * p.table_stride + first_block;
+    context = full_context - first_block * p.block_size;
+    first_visible = first_key - first_block * p.block_size;
+    num_blocks = (context + p.block_size - 1) / p.block_size;
+  }
 
   const T* k_block(const DecodeParams& p, int64_t blk) const { return key + blocks[blk] * p.k_stride_block; }
   const T* v_block(const DecodeParams& p, int64_t blk) const { return value + blocks[blk] * p.v_stride_block; }
@@ -217,7 +226,10 @@ struct Task {
     // One token row of a block is consumed by num_kv * tiles token iterations; prefetch that row's lines
     // over as many steps, so a block ahead is fully requested by the time the current one is done.
     const int64_t steps_per_row = num_kv * num_row_tiles<kMaxRows>(p.group);
-    Prefetcher prefetcher((std::max(k_span, v_span) / 64 + steps_per_row - 1) / steps_per_row);
+    // At least one line per step, whatever the row's size: a row shorter than a cache line (a small
+    // head_dim) would otherwise be given zero lines per step and never finish being prefetched.
+    const int64_t lines_per_row = (std::max(k_span, v_span) + 63) / 64;
+    Prefetcher prefetcher(std::max<int64_t>(1, (lines_per_row + steps_per_row - 1) / steps_per_row));
     // Item i of this task's stream: K block i, then V block i - num_blocks, then the next task's K blocks.
     auto prefetch = [&](int64_t i) {
       const int64_t nb = own.num_blocks;
@@ -251,7 +263,7 @@ struct Task {
     }
 
     float* inv_sum = acc + rows * d;
-    for (int64_t r = 0; r < rows; ++r) inv_sum[r] = 1.0f / softmax_weights(scores + r * p.padded_context, own.context);
+    for (int64_t r = 0; r < rows; ++r) inv_sum[r] = 1.0f / softmax_weights(scores + r * p.padded_context, own.first_visible, own.context);
 
     std::fill(acc, acc + rows * d, 0.0f);
     for (int64_t blk = 0; blk < own.num_blocks; ++blk) {
@@ -350,22 +362,28 @@ struct Task {
     }
   }
 
-  // Turns one row's logits into exp(logit - max) in place and returns their sum. The row is padded to a
-  // multiple of 16 floats, so the last vector may read past the context: those lanes are masked out.
-  PD_MEMBER float softmax_weights(float* s, int64_t context) const {
+  // Turns one row's logits over keys [first, context) into exp(logit - max) in place, zero for the keys
+  // before first (outside a sliding window, first < block_size), and returns their sum. The row is padded
+  // to a multiple of 16 floats, so the last vector may read past the context: those lanes are masked out.
+  PD_MEMBER float softmax_weights(float* s, int64_t first, int64_t context) const {
     const vint lane = lane_index(std::make_index_sequence<kLanes>{});
     const vfloat neg_inf = splat(-INFINITY);
+    auto is_partial = [&](int64_t i) { return i < first || context - i < kLanes; };
+    auto visible = [&](int64_t i) {
+      const vint position = lane + static_cast<int32_t>(i);
+      return (position >= static_cast<int32_t>(first)) & (position < static_cast<int32_t>(context));
+    };
     vfloat m = neg_inf;
     for (int64_t i = 0; i < context; i += kLanes) {
       vfloat v = load(s + i);
-      if (context - i < kLanes) v = lane < static_cast<int32_t>(context - i) ? v : neg_inf;
+      if (is_partial(i)) v = visible(i) ? v : neg_inf;
       m = vmax(m, v);
     }
     const vfloat max = splat(hmax(m));
     vfloat sum = splat(0.0f);
     for (int64_t i = 0; i < context; i += kLanes) {
       vfloat e = vexp(load(s + i) - max);
-      if (context - i < kLanes) e = lane < static_cast<int32_t>(context - i) ? e : splat(0.0f);
+      if (is_partial(i)) e = visible(i) ? e : splat(0.0f);
       store(s + i, e);
       sum += e;
     }

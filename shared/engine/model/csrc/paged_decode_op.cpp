@@ -6,6 +6,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <string>
 
 #include "paged_decode_params.h"
@@ -82,7 +83,8 @@ static void check_block_ids(const at::Tensor& table, const std::vector<int64_t>&
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_table,
-                                  const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& context_lens, double scale,
+                                  std::optional<int64_t> sliding_window) {
   TORCH_CHECK_VALUE(query.dim() == 3, "query must be [batch, heads, head_dim], got ", query.sizes());
   TORCH_CHECK_VALUE(key_cache.dim() == 4, "key_cache must be [num_blocks, block_size, kv_heads, head_dim], got ",
                     key_cache.sizes());
@@ -118,6 +120,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   const std::vector<int64_t> lens = checked_context_lens(context_lens, batch, table.size(1) * block_size);
   check_block_ids(table, lens, block_size, num_blocks);
   const int64_t longest = *std::max_element(lens.begin(), lens.end());
+  TORCH_CHECK_VALUE(!sliding_window.has_value() || *sliding_window >= 1, "sliding_window must be >= 1, got ",
+                    sliding_window.value_or(0));
 
   DecodeParams p{};
   p.query = query.data_ptr();
@@ -143,6 +147,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   p.group = num_heads / num_kv_heads;
   p.padded_context = (longest + 15) / 16 * 16;
   p.scale = static_cast<float>(scale);
+  p.sliding_window = sliding_window.value_or(0);
 
   p.kv_heads_per_task = num_kv_heads / task_splits(batch, num_kv_heads);
 
@@ -158,7 +163,7 @@ std::string paged_decode_isa() { return kernel_isa(); }
 
 TORCH_LIBRARY(pdserve_paged_decode, m) {
   m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, int? sliding_window=None) -> Tensor");
   m.def("isa() -> str", &pdserve::paged_decode_isa);
 }
 

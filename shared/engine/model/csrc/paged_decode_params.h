@@ -46,6 +46,7 @@ struct DecodeParams {
   int64_t num_heads, num_kv_heads, head_dim, block_size, group;
   int64_t kv_heads_per_task;  // divides num_kv_heads
   int64_t padded_context;     // longest context rounded up to 16: the row length of the logit buffer
+  int64_t sliding_window;     // > 0: a query sees only the last sliding_window keys (itself included)
   float scale;
 };
 

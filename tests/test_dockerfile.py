@@ -1,0 +1,47 @@
+"""The Dockerfile (which this machine cannot build: no base image can be pulled) checked as text: every
+package pyproject.toml ships is copied into the build stage, the runtime stage installs no compiler and
+runs as the manifests' non-root uid, and dependencies are pinned by the constraints file."""
+import re
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKERFILE = (REPO / "Dockerfile").read_text()
+
+
+def _stages() -> dict[str, str]:
+    parts = re.split(r"^FROM\s+\S+\s+AS\s+(\w+)\s*$", DOCKERFILE, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def test_every_shipped_package_is_copied() -> None:
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    packages = [pattern.rstrip("*") for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]
+    build = _stages()["build"]
+    for package in packages:
+        assert re.search(rf"^COPY {package}/ {package}/$", build, flags=re.M), f"{package} is not copied"
+    assert "COPY pyproject.toml setup.py ./" in build
+
+
+def test_the_runtime_stage_has_no_compiler_and_runs_as_uid_10001() -> None:
+    stages = _stages()
+    assert set(stages) == {"build", "runtime"}
+    assert "g++" in stages["build"] and "--no-build-isolation" in stages["build"]
+    runtime = stages["runtime"]
+    assert "apt-get" not in runtime and "g++" not in runtime
+    assert "COPY --from=build /opt/venv /opt/venv" in runtime
+    assert re.search(r"^USER 10001:10001$", runtime, flags=re.M)
+    assert "! command -v c++" in runtime  # the build fails if a compiler ever sneaks in
+
+
+def test_dependencies_are_pinned_by_the_constraints_file() -> None:
+    assert DOCKERFILE.count("-c constraints.txt") + DOCKERFILE.count("-c /src/constraints.txt") >= 2
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    pinned = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pinned[re.sub(r"[-_.]+", "-", name).lower()] = version
+    for requirement in pyproject["project"]["dependencies"]:
+        name = re.sub(r"[-_.]+", "-", re.split(r"[<>=!~\[ ]", requirement)[0]).lower()
+        assert name == "torch" or name in pinned, f"{name} is not pinned in constraints.txt"
