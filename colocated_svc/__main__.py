@@ -1,5 +1,6 @@
 """Composition root of the colocated server: `python -m colocated_svc --port 50061 --model tiny`.
-Flags are the pods' shared flags (shared/serving/pod_server.py) plus --tokenizer for text prompts."""
+Flags are the pods' shared flags (shared/serving/pod_server.py), --tokenizer for text prompts and the
+HTTP front's (--http-port)."""
 from __future__ import annotations
 
 import argparse
@@ -10,9 +11,11 @@ import sys
 
 from colocated_svc.servicer import ColocatedServicer
 from proto.pdserve.v1 import generate_pb2_grpc
-from shared.engine.tokenizer import load_tokenizer
+from shared.serving.http_api import HttpConfig, HttpFront, HttpServer
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.pod_server import add_pod_flags, pod_config_from_args, run_pod
+from shared.serving.settings import add_flags, config_from_args
+from shared.serving.text import TextCodec
 
 SERVICE_NAME = "pdserve.v1.GenerateService"
 DEFAULT_PORT = 50061
@@ -25,7 +28,32 @@ def build_arg_parser() -> argparse.ArgumentParser:
     add_pod_flags(parser, default_port=DEFAULT_PORT, role=None)
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer.json (or a directory holding one) for text prompts; default: the model's")
+    add_flags(parser, HttpConfig)
     return parser
+
+
+def load_codec(tokenizer: str | None, model: str) -> TextCodec | None:
+    """The --tokenizer's codec, else the model's (a preset's or a directory's), else None."""
+    if tokenizer is not None:
+        return TextCodec.from_path(tokenizer)
+    try:
+        return TextCodec.from_path(model)
+    except ValueError:
+        return None  # a model without tokenizer.json serves token ids only
+
+
+def http_server(args, http: HttpConfig, servicer: ColocatedServicer, codec: TextCodec | None) -> HttpServer | None:
+    if http.http_port is None:
+        return None
+    front = HttpFront(
+        servicer.Generate,
+        model_name=http.served_model_name or os.path.basename(os.path.normpath(args.model)),
+        codec=lambda: codec,
+        registry=servicer.metrics.registry,
+        is_ready=lambda: servicer.pod is not None and not servicer.is_draining,
+        max_model_len=lambda: servicer.pod.max_model_len if servicer.pod is not None else None,
+    )
+    return HttpServer(front.app, args.host, http.http_port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,14 +61,22 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s colocated %(levelname)s %(name)s: %(message)s")
     try:
         config = pod_config_from_args(args)
-        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+        http = config_from_args(HttpConfig, args)
+        codec = load_codec(args.tokenizer, config.model)
     except ValueError as exc:
         print(f"pdserve colocated: {exc}", file=sys.stderr)
         return 2
-    servicer = ColocatedServicer(ServiceMetrics(), tokenizer=tokenizer)
+    servicer = ColocatedServicer(ServiceMetrics(), tokenizer=codec.tokenizer if codec is not None else None)
     services = [(generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer, SERVICE_NAME)]
+    try:
+        front = http_server(args, http, servicer, codec)
+    except OSError as exc:
+        print(f"pdserve colocated: {exc}", file=sys.stderr)
+        return 2
     # Role None: no KV connector, the pod runs whole requests itself.
-    asyncio.run(run_pod(None, args, config, env=dict(os.environ), service_name="colocated", services=services))
+    asyncio.run(run_pod(
+        None, args, config, env=dict(os.environ), service_name="colocated", services=services, http=front
+    ))
     return 0
 
 

@@ -18,8 +18,10 @@ from typing import Any, Sequence
 import grpc
 import numpy as np
 
+from pdserve.bench_openai import CallFailed, OpenAiBenchClient
 from pdserve.bench_stats import RequestRecord, Slo, build_report, markdown_table, request_rows, token_timeline
 from pdserve.client import AsyncPdserveClient
+from pdserve.launcher import DEFAULT_PORTS
 
 # Token ids below this are left out of prompts (the usual pad/bos/eos slots).
 FIRST_PROMPT_TOKEN_ID = 3
@@ -134,6 +136,8 @@ async def _send(client: AsyncPdserveClient, request: BenchRequest, request_id: s
             finish = chunk.finish_reason
     except grpc.aio.AioRpcError as exc:
         record.error = f"{exc.code().name}: {exc.details()}"
+    except CallFailed as exc:
+        record.error = str(exc)
     record.num_output_tokens = sum(n for _, n in chunks)
     record.ttft_s, record.itl_s = token_timeline(chunks)
     record.e2e_s = chunks[-1][0] if chunks else None
@@ -179,20 +183,33 @@ async def warm_up(client: AsyncPdserveClient, config: WorkloadConfig, num_warmup
             raise RuntimeError(f"warm-up request failed: {record.error}")
 
 
+BACKENDS = ("grpc", "openai")
+DEFAULT_TARGETS = {
+    "grpc": f"127.0.0.1:{DEFAULT_PORTS.router}", "openai": f"http://127.0.0.1:{DEFAULT_PORTS.http}/v1",
+}
+
+
+def bench_client(backend: str, target: str):
+    """grpc: the Generate RPC at host:port; openai: the HTTP API's /v1/completions under a base URL."""
+    if backend == "openai":
+        return OpenAiBenchClient(target)
+    return AsyncPdserveClient(target)
+
+
 async def run_benchmark(target: str, config: WorkloadConfig, *, slo: Slo = Slo(), label: str = "bench",
                         request_timeout_s: float | None = None, num_warmups: int = 1,
-                        progress: bool = True) -> dict[str, Any]:
+                        progress: bool = True, backend: str = "grpc") -> dict[str, Any]:
     """Warm up, run the workload, and return the full report (figures, workload, per-request rows)."""
     requests = generate_workload(config)
-    async with AsyncPdserveClient(target) as client:
+    async with bench_client(backend, target) as client:
         await warm_up(client, config, num_warmups, request_timeout_s)
         load_before = os.getloadavg()  # other work on the machine skews the figures: keep the evidence
         records, duration = await run_workload(
             client, requests, label=label, request_timeout_s=request_timeout_s, progress=progress,
             id_prefix=f"{label}-{time.time_ns()}",
         )
-    report = {"label": label, "target": target, "workload": config.to_json(), **build_report(records, duration, slo),
-              "load_average_before": load_before, "load_average_after": os.getloadavg()}
+    report = {"label": label, "target": target, "backend": backend, "workload": config.to_json(),
+              **build_report(records, duration, slo), "load_average_before": load_before, "load_average_after": os.getloadavg()}
     report["requests"] = request_rows(records)
     return report
 
@@ -273,8 +290,12 @@ def add_workload_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve bench", description=__doc__)
-    parser.add_argument("--target", default="127.0.0.1:50051", help="host:port of a Generate server")
+    parser = argparse.ArgumentParser(prog="pdserve bench", description=__doc__,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--backend", choices=BACKENDS, default="grpc",
+                        help="grpc: the Generate RPC; openai: the OpenAI-compatible HTTP API (streamed completions)")
+    parser.add_argument("--target", default=None, help="grpc: host:port of a Generate server; openai: the API's "
+                        f"base URL (defaults: {DEFAULT_TARGETS['grpc']} and {DEFAULT_TARGETS['openai']})")
     parser.add_argument("--rate", type=parse_rate, default=math.inf,
                         help="requests per second (Poisson arrivals), or 'inf' to send all at once")
     add_workload_flags(parser)
@@ -312,8 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     label = args.label or f"bench-rate{config.to_json()['rate']}"
     try:
         report = asyncio.run(run_benchmark(
-            args.target, config, slo=slo, label=label, request_timeout_s=args.request_timeout_s,
-            num_warmups=args.num_warmups,
+            args.target or DEFAULT_TARGETS[args.backend], config, slo=slo, label=label,
+            request_timeout_s=args.request_timeout_s, num_warmups=args.num_warmups, backend=args.backend,
         ))
     except RuntimeError as exc:
         print(f"pdserve bench: {exc}", file=sys.stderr)

@@ -8,7 +8,11 @@ import os
 import signal
 import sys
 import time
+import traceback
+from importlib import metadata
 from pathlib import Path
+
+from pdserve.launcher import DEFAULT_PORTS, ClusterPorts
 
 # Subcommands that hand their argv to a service's own composition root.
 SERVICE_MODULES = {
@@ -17,7 +21,8 @@ SERVICE_MODULES = {
     "decode": "decode_svc.__main__",
     "colocated": "colocated_svc.__main__",
 }
-DEMO_PROMPT = [3461, 1580, 3107, 3649, 1725, 168, 1063, 3957, 2097, 1993, 1661, 3764, 3213, 3402, 1245, 3967]
+DEMO_PROMPT = "The quick brown fox"
+DEFAULT_TARGET = f"127.0.0.1:{DEFAULT_PORTS.router}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,10 +31,34 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] in SERVICE_MODULES:
         sys.exit(importlib.import_module(SERVICE_MODULES[argv[0]]).main(argv[1:]) or 0)
     if argv and argv[0] == "bench":
-        importlib.import_module("pdserve.bench").main(argv[1:])
-        return
+        sys.exit(importlib.import_module("pdserve.bench").main(argv[1:]))
     args = _parser().parse_args(argv)
-    args.run(args)
+    try:
+        args.run(args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - a user-facing command: one line unless --debug
+        if args.debug:
+            traceback.print_exc()
+        else:
+            print(f"pdserve {args.command}: {_one_line(exc)} (--debug shows the traceback)", file=sys.stderr)
+        sys.exit(1)
+
+
+def _one_line(exc: BaseException) -> str:
+    import grpc
+
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return f"{exc.code().name}: {exc.details()}"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _version() -> str:
+    try:
+        return metadata.version("pdserve")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _set_transfer_environment() -> None:
@@ -42,14 +71,25 @@ def _set_transfer_environment() -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    defaults = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="print the traceback of an error")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SERVICE_MODULES:
         commands.add_parser(name, help=f"run one {name} service (see `pdserve {name} --help`)", add_help=False)
     commands.add_parser("bench", help="serving benchmark against a router (see `pdserve bench --help`)", add_help=False)
 
-    up = commands.add_parser("up", help="router + prefill + decode on 127.0.0.1 with the built-in model")
-    up.add_argument("--model", default="tiny", help="built-in preset or HF model directory (default tiny)")
+    up = commands.add_parser("up", help="router + prefill + decode on 127.0.0.1 with the built-in model",
+                             formatter_class=defaults, parents=[common])
+    up.add_argument("--model", default="tiny", help="built-in preset or HF model directory")
+    up.add_argument("--tokenizer", default=None,
+                    help="the router's tokenizer.json or directory; unset: the model's (presets have one)")
+    up.add_argument("--port", type=int, default=DEFAULT_PORTS.router, help="router gRPC port")
+    up.add_argument("--http-port", type=int, default=DEFAULT_PORTS.http, help="router OpenAI-compatible HTTP port")
+    up.add_argument("--prefill-port", type=int, default=DEFAULT_PORTS.prefill, help="prefill pod gRPC port")
+    up.add_argument("--decode-port", type=int, default=DEFAULT_PORTS.decode, help="decode pod gRPC port")
     up.add_argument("--otlp-endpoint", default=None, help="send traces of all three services to this OTLP/gRPC endpoint")
     up.add_argument("--log-dir", type=Path, default=Path("pdserve-logs"), help="where the services' logs go")
     up.add_argument("--metrics", action="store_true", help="give every service a Prometheus port and print it")
@@ -57,8 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--max-tokens", type=int, default=24, help="tokens to generate in the demo")
     up.set_defaults(run=_run_up)
 
-    generate = commands.add_parser("generate", help="stream a completion from a running router")
-    generate.add_argument("--target", default="127.0.0.1:50051", help="router address host:port")
+    generate = commands.add_parser("generate", help="stream a completion from a running router",
+                                   formatter_class=defaults, parents=[common])
+    generate.add_argument("--target", default=DEFAULT_TARGET, help="router address host:port")
     prompt = generate.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (the router needs a tokenizer)")
     prompt.add_argument("--token-ids", help="prompt token ids, comma separated")
@@ -68,12 +109,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--max-tokens", type=int, default=16, help="output tokens at most")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 is off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass")
+    parser.add_argument("--seed", type=int, default=None, help="per-request seed")
+    parser.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
     parser.add_argument("--timeout", type=float, default=60.0, help="deadline of the whole call in seconds")
 
 
@@ -114,22 +155,28 @@ def _run_up(args: argparse.Namespace) -> None:
 
     # Two pods share this machine's cores with the router: one torch pool each, no oversubscription.
     pod_args = ["--model", args.model, "--num-threads", str(max(1, (os.cpu_count() or 2) // 2))]
-    router_args = []
+    router_args = ["--tokenizer", args.tokenizer or args.model]
+    ports = ClusterPorts(router=args.port, http=args.http_port, prefill=args.prefill_port, decode=args.decode_port)
     if args.otlp_endpoint:
         pod_args += ["--otlp-endpoint", args.otlp_endpoint]
         router_args += ["--otlp-endpoint", args.otlp_endpoint]
     print(f"starting router, prefill and decode (model {args.model}); logs in {args.log_dir}/", flush=True)
     with LocalCluster.start(
-        pod_args=pod_args, router_args=router_args, with_metrics=args.metrics, log_dir=args.log_dir
+        pod_args=pod_args, router_args=router_args, with_metrics=args.metrics, log_dir=args.log_dir, ports=ports
     ) as cluster:
         for service in cluster.services:
             metrics = f"  metrics {service.metrics_url}" if service.metrics_url else ""
             print(f"  {service.name:10s} {service.address}  (pid {service.pid}){metrics}", flush=True)
+        http_url = cluster.router.http_url
+        print(f"  {'http':10s} {http_url}  (OpenAI-compatible: /completions, /chat/completions, /models)",
+              flush=True)
         if args.demo:
-            print(f"streaming a completion of prompt {DEMO_PROMPT} through {cluster.router.address}:", flush=True)
+            print(f"streaming a completion of {DEMO_PROMPT!r} through {cluster.router.address}:", flush=True)
             _stream(cluster.router.address, DEMO_PROMPT, dict(max_tokens=args.max_tokens, ignore_eos=True), 120.0)
             return
-        print(f"ready: pdserve generate --target {cluster.router.address} --token-ids 1,2,3   (Ctrl-C stops)",
+        print(f"ready (Ctrl-C stops):\n  pdserve generate --prompt 'Hello'\n"
+              f"  curl {http_url}/chat/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], \"max_tokens\": 16}}'",
               flush=True)
         _wait_for_interrupt(cluster)
 

@@ -34,6 +34,7 @@ class ServiceProcess:
     process: subprocess.Popen
     log_path: Path | None = None
     metrics_url: str | None = None
+    http_url: str | None = None  # the OpenAI-compatible API's base URL (…/v1), when it serves one
 
     @property
     def pid(self) -> int:
@@ -111,6 +112,22 @@ def wait_serving(service: ServiceProcess, timeout_s: float = DEFAULT_START_TIMEO
     raise RuntimeError(f"{service.name} at {service.address} not SERVING after {timeout_s} s:\n{service.log_tail()}")
 
 
+@dataclass(frozen=True)
+class ClusterPorts:
+    """The ports a local cluster binds; None picks a free one. Pod ports are the first pod's (the
+    next pods of a tier take the following ports)."""
+
+    router: int | None = None
+    http: int | None = None  # the router's OpenAI-compatible HTTP API
+    prefill: int | None = None
+    decode: int | None = None
+
+
+# `pdserve up` binds these (documented in the README); `generate`, `bench` and the README's snippets
+# default to them.
+DEFAULT_PORTS = ClusterPorts(router=50051, http=8000, prefill=50052, decode=50053)
+
+
 @dataclass
 class LocalCluster:
     """Router + prefill pods + decode pods on 127.0.0.1, each its own process."""
@@ -139,16 +156,20 @@ class LocalCluster:
         log_dir: Path | None = None,
         env: dict[str, str] | None = None,
         timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        ports: ClusterPorts = ClusterPorts(),
     ) -> "LocalCluster":
+        """The router always serves the HTTP API too (ServiceProcess.http_url)."""
         cluster = cls(with_metrics=with_metrics)
         try:
-            prefill = [cluster._start(f"prefill-{i}", "prefill_svc", [*pod_args, *prefill_args], log_dir, env)
-                       for i in range(num_prefill)]
-            decode = [cluster._start(f"decode-{i}", "decode_svc", [*pod_args, *decode_args], log_dir, env)
-                      for i in range(num_decode)]
+            prefill = [cluster._start(f"prefill-{i}", "prefill_svc", [*pod_args, *prefill_args], log_dir, env,
+                                      _nth_port(ports.prefill, i)) for i in range(num_prefill)]
+            decode = [cluster._start(f"decode-{i}", "decode_svc", [*pod_args, *decode_args], log_dir, env,
+                                     _nth_port(ports.decode, i)) for i in range(num_decode)]
+            http_port = ports.http or free_port()
             routing = [f"--prefill={','.join(s.address for s in prefill)}",
-                       f"--decode={','.join(s.address for s in decode)}"]
-            cluster._start("router", "router", [*routing, *router_args], log_dir, env)
+                       f"--decode={','.join(s.address for s in decode)}", "--http-port", str(http_port)]
+            router = cluster._start("router", "router", [*routing, *router_args], log_dir, env, ports.router)
+            router.http_url = f"http://{HOST}:{http_port}/v1"
             for service in cluster.services:
                 wait_serving(service, timeout_s)
         except BaseException:
@@ -157,8 +178,8 @@ class LocalCluster:
         return cluster
 
     def _start(self, name: str, module: str, args: Sequence[str], log_dir: Path | None,
-               env: dict[str, str] | None) -> ServiceProcess:
-        port = free_port()
+               env: dict[str, str] | None, port: int | None = None) -> ServiceProcess:
+        port = port or free_port()
         args = ["--host", HOST, "--port", str(port), *args]
         metrics_url = None
         if self.with_metrics:
@@ -179,3 +200,7 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _nth_port(first: int | None, index: int) -> int | None:
+    return None if first is None else first + index

@@ -18,6 +18,7 @@ from router.servicer import RouterServicer
 from shared.serving.text import TextCodec
 from router.workers import WorkerPool
 from shared.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServerOptions
+from shared.serving.http_api import HttpFront, HttpServer
 from shared.serving.metrics import start_metrics_server
 from shared.serving.prefill_client import PrefillClient
 from shared.serving.telemetry import TracingConfig, setup_tracing
@@ -72,9 +73,20 @@ async def run(config: RouterConfig, *, env: dict[str, str], codec: TextCodec | N
     servicer = RouterServicer(prefill, decode, config, codec=codec, metrics=metrics, tracer=tracing.tracer,
                               kv_index=kv_index)
     server.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer, GENERATE_SERVICE)
+    http = None
+    if config.http.http_port is not None:
+        front = HttpFront(
+            servicer.Generate, model_name=served_model_name(config), codec=lambda: codec,
+            registry=registry, is_ready=lambda: prefill.has_healthy and decode.has_healthy,
+            max_model_len=lambda: servicer.max_model_len,
+        )
+        http = HttpServer(front.app, config.host, config.http.http_port)
+        server.on_shutdown(http.stop)
     server.on_shutdown(servicer.drain)
     try:
         await server.start()
+        if http is not None:
+            await http.start()
         await prefill.start()
         await decode.start()
         await update_health()
@@ -82,9 +94,13 @@ async def run(config: RouterConfig, *, env: dict[str, str], codec: TextCodec | N
               f"decode: {', '.join(decode.addresses)}; policy {config.policy})", flush=True)
         if metrics_server is not None:
             print(f"router metrics at {metrics_server.url}", flush=True)
+        if http is not None:
+            print(f"router OpenAI-compatible HTTP API at {http.url}/v1", flush=True)
         await server.serve_forever()
     finally:
         await server.stop()
+        if http is not None:
+            await http.stop()
         if subscriptions is not None:
             await subscriptions.close()
         await prefill.close()
@@ -92,6 +108,15 @@ async def run(config: RouterConfig, *, env: dict[str, str], codec: TextCodec | N
         if metrics_server is not None:
             metrics_server.stop()
         tracing.shutdown()
+
+
+def served_model_name(config: RouterConfig) -> str:
+    """The name HTTP clients put in "model": the flag's, else the tokenizer's (a preset or directory name)."""
+    if config.http.served_model_name:
+        return config.http.served_model_name
+    if config.tokenizer_path:
+        return os.path.basename(os.path.normpath(config.tokenizer_path))
+    return "pdserve"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from shared.serving.http_api import HttpConfig
 from shared.serving.prefill_client import PrefillClientConfig
 from shared.serving.settings import add_flags, config_from_args, setting, settings_group
 
@@ -121,6 +122,7 @@ class RouterConfig:
     grace_seconds: float = field(default=5.0, metadata=setting("graceful shutdown period"))
     pool: PoolConfig = field(default_factory=PoolConfig, metadata=settings_group())
     prefill_client: PrefillClientConfig = field(default_factory=PrefillClientConfig, metadata=settings_group())
+    http: HttpConfig = field(default_factory=HttpConfig, metadata=settings_group())
     kv_weights: KvWeights = field(default_factory=KvWeights, metadata=settings_group())
     disaggregation: DisaggregationRule = field(default_factory=DisaggregationRule, metadata=settings_group())
     kv_index_max_blocks: int = field(default=DEFAULT_MAX_BLOCKS_PER_POD, metadata=setting(
@@ -160,7 +162,7 @@ class RouterConfig:
 
 def build_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m router", description="pdserve router: Generate -> prefill -> decode"
+        prog="pdserve router", description="pdserve router: Generate -> prefill -> decode"
     )
     add_flags(parser, RouterConfig)
     return parser

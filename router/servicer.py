@@ -136,6 +136,21 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             return prompt_ids, sampling
         except ValueError as exc:
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        # Refused here rather than shipped to a pod that would refuse it (a huge prompt costs every hop).
+        max_model_len = self.max_model_len
+        if max_model_len is not None and len(prompt_ids) >= max_model_len:
+            raise RouteError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the prompt has {len(prompt_ids)} tokens; the model's maximum length is {max_model_len}, "
+                "which leaves no room for output",
+            )
+        return prompt_ids, sampling
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The model length both tiers take, as their load reports say (None until they reported)."""
+        lengths = [n for n in (self._prefill.max_model_len, self._decode.max_model_len) if n is not None]
+        return min(lengths, default=None)
 
     async def _route(self, request_id, pod_request_id, prompt_ids, sampling, deadline, start, index=0) -> AsyncIterator:
         """One completion: prefill then decode (or decode alone); its chunks labelled with index."""

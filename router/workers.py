@@ -171,6 +171,12 @@ class WorkerPool:
         worker.is_healthy, worker.load = is_healthy, load
 
     # ---- what the servicer uses ---------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int | None:
+        """The smallest model length the tier's workers reported (None before any did)."""
+        lengths = [w.load.max_model_len for w in self._workers.values() if w.load is not None and w.load.max_model_len]
+        return min(lengths, default=None)
+
     def views(self) -> list[WorkerView]:
         return [WorkerView(w.address, w.is_healthy, w.load, w.num_inflight) for w in self._workers.values()]
 

@@ -21,7 +21,8 @@ def lines_per_package(root: Path) -> dict[str, int]:
     for package in PACKAGES:
         for path in python_files(root, package):
             parts = path.relative_to(root).parts
-            key = "/".join(parts[:2]) if package == "shared" and len(parts) > 2 else package
+            # shared/ is reported per folder (shared/engine/sched, shared/serving, ...), the rest per package.
+            key = "/".join(parts[:-1][:3]) if package == "shared" else package
             counts[key] += len(path.read_text().splitlines())
     return dict(sorted(counts.items()))
 
@@ -46,6 +47,8 @@ def main() -> None:
     args = parser.parse_args()
     print("| package | lines |\n|---|---|")
     for name, count in lines_per_package(args.root).items():
+        if not count:
+            continue
         print(f"| {name} | {count} |")
     print(f"\n| longest functions (lines) | where |\n|---|---|")
     for length, where in longest_functions(args.root, args.top):

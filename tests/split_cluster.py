@@ -17,5 +17,6 @@ VOCAB_SIZE = 4096  # of the tiny preset
 
 def start_split_cluster(log_dir: Path) -> LocalCluster:
     return LocalCluster.start(
-        pod_args=MODEL_ARGS, prefill_args=["--lease-s", str(LEASE_S)], with_metrics=True, log_dir=log_dir
+        pod_args=MODEL_ARGS, prefill_args=["--lease-s", str(LEASE_S)], router_args=["--tokenizer", "tiny"],
+        with_metrics=True, log_dir=log_dir,
     )

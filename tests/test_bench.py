@@ -149,13 +149,14 @@ def test_rate_flag_parsing():
 def colocated_server(tmp_path_factory):
     from pdserve.launcher import HOST, free_port, start_service, wait_serving
 
-    port = free_port()
+    port, http_port = free_port(), free_port()
     service = start_service(
         "colocated", "colocated_svc",
-        ["--host", HOST, "--port", str(port), "--model", "tiny", "--num-blocks", "256"],
+        ["--host", HOST, "--port", str(port), "--model", "tiny", "--num-blocks", "256", "--http-port", str(http_port)],
         address=f"{HOST}:{port}", log_dir=tmp_path_factory.mktemp("logs"),
         env={"OMP_NUM_THREADS": "1"},
     )
+    service.http_url = f"http://{HOST}:{http_port}/v1"
     try:
         wait_serving(service, timeout_s=90)
         yield service
@@ -165,8 +166,10 @@ def colocated_server(tmp_path_factory):
 
 @pytest.mark.timeout(120)
 @pytest.mark.e2e
-def test_bench_against_a_colocated_server(colocated_server, tmp_path, capsys):
-    argv = ["--target", colocated_server.address, "--num-requests", "6", "--rate", "inf", "--input-len", "16",
+@pytest.mark.parametrize("backend", ["grpc", "openai"])
+def test_bench_against_a_colocated_server(colocated_server, tmp_path, capsys, backend):
+    target = colocated_server.http_url if backend == "openai" else colocated_server.address
+    argv = ["--backend", backend, "--target", target, "--num-requests", "6", "--rate", "inf", "--input-len", "16",
             "--output-len", "6", "--range-ratio", "0.5", "--seed", "7", "--ttft-slo-ms", "60000",
             "--tpot-slo-ms", "60000", "--out-dir", str(tmp_path), "--label", "e2e test", "--no-plots"]
     assert bench.main(argv) == 0
@@ -193,3 +196,19 @@ def test_bench_counts_failures(colocated_server, tmp_path):
     report = json.loads((tmp_path / "bad.json").read_text())
     assert report["num_failed"] == 3
     assert report["errors"] and all(e.startswith("INVALID_ARGUMENT") for e in report["errors"])
+    # Through HTTP the same refusals are 400s.
+    argv[1] = colocated_server.http_url
+    assert bench.main(["--backend", "openai", *argv]) == 1
+    report = json.loads((tmp_path / "bad.json").read_text())
+    assert report["num_failed"] == 3 and all(e.startswith("HTTP 400") for e in report["errors"])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.e2e
+def test_bench_with_no_server_exits_non_zero(tmp_path):
+    from pdserve.launcher import free_port
+
+    for backend, target in (("grpc", f"127.0.0.1:{free_port()}"), ("openai", f"http://127.0.0.1:{free_port()}/v1")):
+        argv = ["--backend", backend, "--target", target, "--num-requests", "2", "--request-timeout-s", "5",
+                "--out-dir", str(tmp_path), "--no-plots"]
+        assert bench.main(argv) == 2

@@ -111,7 +111,7 @@ def test_invalid_input_gets_invalid_argument():
         (request(list(range(3, 3 + MAX_MODEL_LEN))), "maximum length"),
         (request([1, 2, 3], top_p=1.5), "top_p"),
         (request([1, 2, 3], max_tokens=0), "max_tokens"),
-        (request("hello"), "tokenizer"),
+        (request(""), "prompt text is empty"),
     ]
 
     async def scenario():

@@ -175,3 +175,26 @@ def test_bad_options_get_invalid_argument(systems):
                 list(client.generate(PROMPT, max_tokens=4, json_schema="{not json", timeout=30))
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "json_schema is not valid JSON" in caught.value.details()
+
+
+def test_a_stop_string_frees_the_colocated_request_at_once():
+    """The engine would go on to max_tokens; the stop string ends the request in the engine too."""
+    import asyncio
+
+    from test_colocated import collect, request, serving
+
+    async def run():
+        async with serving(bpe_tokenizer()) as (stub, pod, _):
+            idle_free = pod.load_report().num_free_blocks
+            free = await collect(stub, request(PROMPT, max_tokens=12, ignore_eos=True))
+            text = "".join(chunk.text for chunk in free)
+            stop = text[3:6]
+            stopped = await collect(stub, request(PROMPT, max_tokens=480, ignore_eos=True, stop=[stop]))
+            assert stopped[-1].stop_string == stop and "".join(c.text for c in stopped) == text[:text.find(stop)]
+            # Far less than the 470-odd further tokens the engine would otherwise decode.
+            deadline = time.monotonic() + 0.5
+            while pod.loop.num_in_flight or pod.load_report().num_free_blocks != idle_free:
+                assert time.monotonic() < deadline, "the stopped request still holds blocks"
+                await asyncio.sleep(0.01)
+
+    asyncio.run(run())

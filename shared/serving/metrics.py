@@ -82,6 +82,24 @@ class ServiceMetrics:
         )
         for outcome in OUTCOMES:
             self.requests.labels(outcome=outcome)
+        # The gauges the Gateway API Inference Extension's endpoint picker scrapes (its model-server
+        # protocol), under vLLM's names so an unmodified picker config finds them.
+        self.gateway_waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled (inference gateway protocol).",
+            registry=r,
+        )
+        self.gateway_running = Gauge(
+            "vllm:num_requests_running", "Requests being computed (inference gateway protocol).", registry=r,
+        )
+        self.gateway_kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache utilization as a ratio in [0, 1] (inference gateway protocol).",
+            registry=r,
+        )
+        # Older picker releases read the KV-cache ratio under this name.
+        self.gateway_kv_usage_legacy = Gauge(
+            "vllm:gpu_cache_usage_perc", "KV-cache utilization as a ratio in [0, 1] (older gateway name).",
+            registry=r,
+        )
 
     def record_outcome(self, outcome: str) -> None:
         if outcome not in OUTCOMES:
@@ -98,10 +116,16 @@ class ServiceMetrics:
         self.kv_blocks_used.set(num_used)
         self.kv_blocks_free.set(num_free)
         self.kv_blocks_held_for_peer.set(num_held_for_peer)
+        num_total = num_used + num_free
+        usage = num_used / num_total if num_total else 0.0
+        self.gateway_kv_usage.set(usage)
+        self.gateway_kv_usage_legacy.set(usage)
 
     def set_queue(self, *, num_waiting: int, num_running: int) -> None:
         self.queue_depth.set(num_waiting)
         self.running_requests.set(num_running)
+        self.gateway_waiting.set(num_waiting)
+        self.gateway_running.set(num_running)
 
 
 @dataclass

@@ -174,6 +174,7 @@ class Pod:
             num_total_blocks=usage.num_total_blocks,
             num_held_blocks=self.connector.num_held_blocks if self.connector else 0,
             is_overloaded=self.loop.num_in_flight >= self.config.max_requests_in_flight,
+            max_model_len=self.max_model_len,
         )
 
     def kv_source(self) -> PrefillKvSource:

@@ -15,6 +15,7 @@ from opentelemetry import context as otel_context
 
 from shared.serving.engine_thread import RequestTimeline
 from shared.serving.grpc_server import GrpcServer, ServerOptions
+from shared.serving.http_api import HttpServer
 from shared.engine.kv_transfer.connector import KVRole
 from shared.serving.cpu_limit import default_num_threads
 from shared.serving.metrics import ServiceMetrics, start_metrics_server
@@ -188,9 +189,11 @@ async def run_pod(
     env: Mapping[str, str],
     service_name: str,
     services: Sequence[tuple[Callable, PodServicer, str]],
+    http: HttpServer | None = None,
 ) -> None:
     """Serve (health NOT_SERVING) while the pod loads, then SERVING until SIGTERM/SIGINT. Then:
-    NOT_SERVING, refuse new work, let requests in flight finish (grace period), stop the pod."""
+    NOT_SERVING, refuse new work, let requests in flight finish (grace period), stop the pod.
+    http: an HTTP front served beside the gRPC server (from the start; it answers 503 while loading)."""
     tracing = setup_tracing(
         TracingConfig.from_flags_and_env(
             env,
@@ -217,6 +220,9 @@ async def run_pod(
     gauges = watcher = None
     try:
         port = await server.start()
+        if http is not None:
+            await http.start()
+            print(f"{service_name} OpenAI-compatible HTTP API at {http.url}/v1", flush=True)
         if role is KVRole.PRODUCER and not pod_config.advertise_address:
             pod_config = dataclasses.replace(pod_config, advertise_address=f"{args.host}:{port}")
         logger.info("torch threads: %s; KV transfer ports: %s", pod_config.num_threads or "torch's default",
@@ -228,6 +234,8 @@ async def run_pod(
         async def shut_down() -> None:
             for _, servicer, _ in services:
                 servicer.is_draining = True
+            if http is not None:
+                await http.stop()
             await drain(pod, server.shutdown_seconds_left())
             await pod.stop()
             for _, servicer, _ in services:
@@ -248,6 +256,8 @@ async def run_pod(
         await server.serve_forever()
     finally:
         await server.stop()
+        if http is not None:
+            await http.stop()
         for task in (gauges, watcher):
             if task is not None:
                 task.cancel()

@@ -1,26 +1,38 @@
-"""Text <-> token ids for services that take text: encodes text prompts and turns streamed token ids into text
-incrementally (a character split across tokens is emitted once it is complete, or as U+FFFD at the end of
+"""Text <-> token ids for services that take text: encodes text prompts, renders chat messages with the
+checkpoint's chat template, and turns streamed token ids into text incrementally (a character split across tokens is emitted once it is complete, or as U+FFFD at the end of
 the stream when it never completes, as transformers' decode() shows it)."""
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from shared.engine.model.preset_files import preset_tokenizer_dir
 from shared.engine.tokenizer import load_tokenizer
+from shared.serving.chat_template import ChatTemplate
 
 logger = logging.getLogger(__name__)
 
 
 class TextCodec:
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, chat_template: ChatTemplate | None = None):
         self._tokenizer = tokenizer
+        self.chat_template = chat_template
 
     @classmethod
     def from_path(cls, path: str) -> "TextCodec":
-        """Loads a tokenizer.json, or the tokenizer.json inside a model directory (ValueError if absent)."""
-        return cls(load_tokenizer(path))
+        """Loads a tokenizer.json, the tokenizer.json inside a model directory (with the chat template of its
+        tokenizer_config.json), or a built-in preset's by the preset's name (ValueError if absent)."""
+        location = preset_tokenizer_dir(path) or Path(path)
+        directory = location if location.is_dir() else location.parent
+        return cls(load_tokenizer(location), _chat_template_in(directory))
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
 
     @property
     def vocab_size(self) -> int:
@@ -31,6 +43,27 @@ class TextCodec:
 
     def stream(self) -> "TextStream":
         return TextStream(self._tokenizer)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The token ids of chat messages rendered with the chat template (ending in the assistant's turn).
+        ValueError when there is no template or the template rejects the messages."""
+        if self.chat_template is None:
+            raise ValueError("the tokenizer has no chat template (tokenizer_config.json with chat_template)")
+        text = self.chat_template.render(messages)
+        # The template already wrote the special tokens (bos, role markers): add none of our own.
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def _chat_template_in(directory: Path) -> ChatTemplate | None:
+    """The chat template of the directory's tokenizer_config.json, when it has one."""
+    config_file = directory / "tokenizer_config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {config_file}: {exc}") from None
+    return ChatTemplate.from_tokenizer_config(config)
 
 
 class TextStream:

@@ -20,6 +20,7 @@ class LoadReport:
     num_total_blocks: int = 0
     num_held_blocks: int = 0
     is_overloaded: bool = False
+    max_model_len: int | None = None  # the longest prompt + output the pod takes
 
 
 @dataclass(frozen=True)

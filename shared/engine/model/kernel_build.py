@@ -112,6 +112,8 @@ def build_here(build_root: Path, timeout_s: float = DEFAULT_BUILD_WAIT_S) -> Pat
     from torch.utils import cpp_extension
 
     folder = build_root / source_hash()
+    # Without this a first start is silent for about a minute while the compiler runs.
+    logger.info("loading the paged decode kernel from %s (the first start builds it: about a minute)", folder)
     with build_lock(folder, timeout_s):
         cpp_extension.load(name=LIBRARY_NAME, sources=[str(CSRC / name) for name in SOURCE_NAMES],
                            extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), build_directory=str(folder),

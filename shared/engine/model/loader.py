@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from shared.engine.model.generation_config import GenerationDefaults, generation_defaults
 from shared.engine.model.model_config import PRESETS, ModelArchConfig, preset
 from shared.engine.model.llama import LlamaModel
+from shared.engine.model.preset_files import preset_tokenizer_dir
 from shared.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,10 @@ def _resolve_dtype(dtype: str | None, device: torch.device | str) -> str | None:
 def _load(source: str | Path, dtype: str | None, seed: int) -> LoadedModel:
     if isinstance(source, str) and source in PRESETS:
         config = preset(source, dtype or "float32")
-        return LoadedModel(config=config, model=random_model(config, seed), tokenizer=None,
+        # The presets ship their own tokenizer, so the built-in models take text.
+        directory = preset_tokenizer_dir(source)
+        tokenizer = load_tokenizer(directory) if directory is not None else None
+        return LoadedModel(config=config, model=random_model(config, seed), tokenizer=tokenizer,
                            generation=generation_defaults(config.eos_token_ids, None))
     path = Path(source)
     if not path.is_dir():

@@ -1,0 +1,379 @@
+"""The OpenAI-compatible HTTP front (Starlette on uvicorn, in the gRPC server's process and event loop):
+/v1/completions, /v1/chat/completions (SSE streaming or not), /v1/models, /health and /metrics. Requests
+go through the same in-process Generate path as gRPC calls; a client that hangs up cancels its request."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import grpc
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from proto.pdserve.v1 import generate_pb2
+from shared.serving import convert, openai_protocol as oai
+from shared.serving.chat_template import ChatTemplateError
+from shared.serving.outcomes import InvalidRequest
+from shared.serving.settings import setting
+from shared.serving.text import TextCodec
+
+logger = logging.getLogger(__name__)
+
+# How an ended call's gRPC status shows over HTTP: (HTTP status, OpenAI error type).
+_HTTP_OF_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (503, "server_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
+}
+_SERVER_ERROR = (500, "server_error")
+
+
+def _none_if_empty(value: str | None) -> str | None:
+    return value or None
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """The HTTP front's settings (flags of the router and the colocated server)."""
+
+    http_port: int | None = field(default=None, metadata=setting(
+        "OpenAI-compatible HTTP port (0 picks one; off when unset)"
+    ))
+    served_model_name: str | None = field(default=None, metadata=setting(
+        "the model name the HTTP API answers to (default: the model or tokenizer name)", parse=_none_if_empty
+    ))
+
+    def __post_init__(self) -> None:
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+
+
+class CallEnded(grpc.aio.AbortError):
+    """The in-process Generate call ended with a status (what context.abort sends over gRPC)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class InProcessContext:
+    """The part of grpc.aio.ServicerContext the Generate servicers use, for calls made in process."""
+
+    def __init__(self, timeout_s: float | None = None):
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._deadline = None if timeout_s is None else loop.time() + timeout_s
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - self._loop.time())
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise CallEnded(code, details)
+
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+    def peer(self) -> str:
+        return "http"
+
+
+Generate = Callable[[generate_pb2.GenerateRequest, InProcessContext], AsyncIterator[generate_pb2.GenerateResponse]]
+
+
+def _error(status: int, error_type: str, message: str) -> JSONResponse:
+    return JSONResponse(oai.error_object(message, error_type, status), status_code=status)
+
+
+def _ended_error(ended: CallEnded) -> JSONResponse:
+    status, error_type = _HTTP_OF_CODE.get(ended.code, _SERVER_ERROR)
+    return _error(status, error_type, ended.details)
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+class _Shape:
+    """How one endpoint dresses Generate chunks: completions (text) or chat (message/delta)."""
+
+    def __init__(self, is_chat: bool, model: str):
+        self.is_chat = is_chat
+        self.ids = oai.ResponseIds.new("chatcmpl" if is_chat else "cmpl", model)
+
+    def chunk(self, text: str, finish, is_first: bool) -> dict[str, Any]:
+        if self.is_chat:
+            delta = {"role": "assistant", "content": text} if is_first else ({"content": text} if text else {})
+            return {**self.ids.envelope("chat.completion.chunk"), "choices": [oai.chat_delta(delta, finish)]}
+        return {**self.ids.envelope("text_completion"), "choices": [oai.completion_choice(text, finish)]}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**self.ids.envelope("chat.completion.chunk" if self.is_chat else "text_completion"), "choices": []}
+
+    def whole(self, text: str, finish) -> dict[str, Any]:
+        if self.is_chat:
+            return {**self.ids.envelope("chat.completion"), "choices": [oai.chat_choice(text, finish)]}
+        return {**self.ids.envelope("text_completion"), "choices": [oai.completion_choice(text, finish)]}
+
+
+class HttpFront:
+    """The ASGI app over one Generate servicer."""
+
+    def __init__(
+        self,
+        generate: Generate,
+        *,
+        model_name: str,
+        codec: Callable[[], TextCodec | None],
+        registry: CollectorRegistry,
+        is_ready: Callable[[], bool],
+        max_model_len: Callable[[], int | None] = lambda: None,
+        api_key: str | None = None,
+    ):
+        """codec: the text codec (for chat templates) once known; api_key: the bearer token clients
+        must send (None: open)."""
+        self._generate = generate
+        self.model_name = model_name
+        self._codec = codec
+        self._registry = registry
+        self._is_ready = is_ready
+        self._max_model_len = max_model_len
+        self._api_key = api_key
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self._completions, methods=["POST"]),
+            Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
+            Route("/v1/models", self._models, methods=["GET"]),
+            Route("/health", self._health, methods=["GET"]),
+            Route("/metrics", self._metrics, methods=["GET"]),
+        ])
+
+    # ---- plain endpoints ----------------------------------------------------------------------
+    async def _models(self, request: Request) -> Response:
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pdserve"}
+        if (max_model_len := self._max_model_len()) is not None:
+            card["max_model_len"] = max_model_len
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def _health(self, request: Request) -> Response:
+        return Response(status_code=200 if self._is_ready() else 503)
+
+    async def _metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self._registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- generation endpoints -----------------------------------------------------------------
+    async def _completions(self, request: Request) -> Response:
+        return await self._serve(request, is_chat=False)
+
+    async def _chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, is_chat=True)
+
+    async def _serve(self, request: Request, *, is_chat: bool) -> Response:
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        try:
+            body = await self._body(request)
+            if (unknown := self._unknown_model(body)) is not None:
+                return unknown
+            message, options = self._generate_request(body, is_chat)
+        except InvalidRequest as exc:
+            return _error(400, "invalid_request_error", str(exc))
+        shape = _Shape(is_chat, self.model_name)
+        responses = self._generate(message, InProcessContext()).__aiter__()
+        try:
+            # Bad input ends the call before its first chunk: answer it with a status, not a stream.
+            first = await _unless_disconnected(request, anext(responses))
+        except CallEnded as exc:
+            return _ended_error(exc)
+        except StopAsyncIteration:
+            return _error(*_SERVER_ERROR, "the request ended without output")
+        if first is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        if options.is_streaming:
+            return StreamingResponse(self._stream(shape, options, first, responses), media_type="text/event-stream")
+        return await self._whole(request, shape, first, responses)
+
+    def _generate_request(self, body: dict[str, Any], is_chat: bool):
+        if is_chat:
+            oai.check_fields(body, ("messages", "chat_template_kwargs", "add_generation_prompt"))
+            prompt: str | list[int] = self._chat_prompt(oai.chat_messages(body))
+        else:
+            oai.check_fields(body, ("prompt",))
+            prompt = oai.completion_prompt(body)
+        options = oai.stream_options_from_openai(body)
+        sampling = convert.sampling_params_to_proto(oai.sampling_params_from_openai(body))
+        request_id = body.get("request_id") or ""
+        if not isinstance(request_id, str):
+            raise InvalidRequest(f"request_id must be a string, got {request_id!r}")
+        message = generate_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
+        if isinstance(prompt, str):
+            message.text = prompt
+        else:
+            message.token_ids.ids.extend(prompt)
+        return message, options
+
+    def _chat_prompt(self, messages: list[dict]) -> list[int]:
+        codec = self._codec()
+        if codec is None:
+            raise InvalidRequest("chat needs a tokenizer with a chat template: start the server with --tokenizer")
+        try:
+            return codec.encode_chat(messages)
+        except ChatTemplateError as exc:
+            raise InvalidRequest(f"chat template: {exc}") from None
+
+    async def _whole(self, request: Request, shape: _Shape, first, responses) -> Response:
+        async def collect():
+            chunks = [first]
+            async for chunk in responses:
+                chunks.append(chunk)
+            return chunks
+
+        try:
+            chunks = await _unless_disconnected(request, collect())
+        except CallEnded as exc:
+            return _ended_error(exc)
+        finally:
+            await responses.aclose()
+        if chunks is None:
+            return Response(status_code=499)
+        last = chunks[-1]
+        text = "".join(chunk.text for chunk in chunks)
+        finish = convert.finish_reason_from_proto(last.finish_reason)
+        body = shape.whole(text, finish)
+        body["usage"] = oai.usage(last.num_prompt_tokens, last.num_output_tokens)
+        return JSONResponse(body)
+
+    async def _stream(self, shape: _Shape, options: oai.StreamOptions, first, responses) -> AsyncIterator[str]:
+        """SSE events; a client that hangs up cancels this generator (and with it the request)."""
+        chunk = first
+        is_first = True
+        try:
+            while chunk is not None:
+                finish = convert.finish_reason_from_proto(chunk.finish_reason)
+                payload = shape.chunk(chunk.text, finish, is_first)
+                if options.continuous_usage:
+                    payload["usage"] = oai.usage(chunk.num_prompt_tokens, chunk.num_output_tokens)
+                elif options.include_usage:
+                    payload["usage"] = None
+                yield _sse(payload)
+                is_first = False
+                if options.include_usage and finish is not None:
+                    yield _sse({**shape.usage_chunk(), "usage": oai.usage(
+                        chunk.num_prompt_tokens, chunk.num_output_tokens)})
+                chunk = await anext(responses, None)
+        except CallEnded as exc:
+            status, error_type = _HTTP_OF_CODE.get(exc.code, _SERVER_ERROR)
+            yield _sse(oai.error_object(exc.details, error_type, status))
+        finally:
+            await responses.aclose()
+        yield "data: [DONE]\n\n"
+
+    # ---- checks -------------------------------------------------------------------------------
+    def _check_key(self, request: Request) -> Response | None:
+        if self._api_key is None:
+            return None
+        if request.headers.get("authorization", "") != f"Bearer {self._api_key}":
+            return _error(401, "authentication_error", "missing or wrong API key (Authorization: Bearer ...)")
+        return None
+
+    @staticmethod
+    async def _body(request: Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise InvalidRequest("the body must be a JSON object")
+        return body
+
+    def _unknown_model(self, body: dict[str, Any]) -> Response | None:
+        model = body.get("model")
+        if model is None or model == self.model_name:
+            return None
+        return _error(404, "invalid_request_error", f"the model '{model}' does not exist (this server has "
+                      f"'{self.model_name}')")
+
+
+async def _unless_disconnected(request: Request, work: Awaitable):
+    """work's result, or None when the client hangs up first (work is then cancelled)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Uvicorn(uvicorn.Server):
+    def capture_signals(self):
+        # The gRPC server owns SIGTERM/SIGINT and stops this one with it.
+        return contextlib.nullcontext()
+
+
+class HttpServer:
+    """uvicorn serving an app on the running event loop."""
+
+    def __init__(self, app, host: str, port: int):
+        self._app = app
+        self.host = host
+        self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._socket.bind((host, port))
+        except OSError as exc:
+            self._socket.close()
+            raise OSError(f"cannot bind HTTP port {host}:{port}: {exc}") from None
+        self.port = self._socket.getsockname()[1]
+        self._server: _Uvicorn | None = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        config = uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=5)
+        self._server = _Uvicorn(config)
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[self._socket]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise OSError(f"the HTTP server on {self.url} stopped while starting")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        await self._task
+        self._server = None

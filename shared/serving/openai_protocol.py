@@ -1,0 +1,224 @@
+"""The OpenAI request and response shapes: parses /v1/completions and /v1/chat/completions bodies into
+the public Generate input (prompt + the domain SamplingParams, in one mapping table) and builds the
+response and stream-chunk objects. No web framework here; errors are InvalidRequest saying what is wrong."""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from shared.engine.request import FinishReason, SamplingParams
+from shared.serving.outcomes import InvalidRequest
+
+# OpenAI's default (the domain default is greedy; an OpenAI client that sends no temperature expects 1).
+OPENAI_DEFAULT_TEMPERATURE = 1.0
+
+_FINISH_REASONS = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.ERROR: "error",
+}
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequest(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _integer(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _boolean(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _top_k(name: str, value: Any) -> int:
+    value = _integer(name, value)
+    return 0 if value == -1 else value  # vLLM's "off" is -1, ours is 0
+
+
+def _token_ids(name: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise InvalidRequest(f"{name} must be a list of token ids, got {value!r}")
+    return tuple(value)
+
+
+# The one mapping from OpenAI request fields to SamplingParams fields: field -> (param, parse).
+# A supported option is one more row here.
+SAMPLING_FIELDS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
+    "max_tokens": ("max_tokens", _integer),
+    "max_completion_tokens": ("max_tokens", _integer),  # chat's newer name
+    "temperature": ("temperature", _number),
+    "top_p": ("top_p", _number),
+    "top_k": ("top_k", _top_k),
+    "seed": ("seed", _integer),
+    "stop_token_ids": ("stop_token_ids", _token_ids),
+    "ignore_eos": ("ignore_eos", _boolean),
+}
+
+# Known OpenAI/vLLM fields this server does not honour yet, with the value that asks for nothing (a
+# request may carry that value; any other is refused with 400 rather than silently ignored).
+UNSUPPORTED_FIELDS: dict[str, Any] = {
+    "stop": None, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": None,
+    "logprobs": None, "top_logprobs": None, "n": 1, "best_of": 1, "echo": False, "suffix": None,
+    "min_tokens": 0, "response_format": None, "tools": None, "tool_choice": None, "guided_json": None,
+    "guided_regex": None, "guided_grammar": None, "min_p": 0, "functions": None, "function_call": None,
+}
+# Fields that change nothing in the output (accepted and ignored).
+INFORMATIONAL_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+_REQUEST_FIELDS = ("model", "stream", "stream_options", "request_id")
+
+
+def sampling_params_from_openai(body: dict[str, Any]) -> SamplingParams:
+    """The domain SamplingParams an OpenAI request asks for (OpenAI's defaults where it is silent)."""
+    kwargs: dict[str, Any] = {"temperature": OPENAI_DEFAULT_TEMPERATURE}
+    for name, (param, parse) in SAMPLING_FIELDS.items():
+        if body.get(name) is not None:
+            kwargs[param] = parse(name, body[name])
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+def check_fields(body: dict[str, Any], endpoint_fields: tuple[str, ...]) -> None:
+    """InvalidRequest naming the first field that is unknown or not supported yet."""
+    known = (*SAMPLING_FIELDS, *INFORMATIONAL_FIELDS, *_REQUEST_FIELDS, *endpoint_fields)
+    for name, value in body.items():
+        if name in UNSUPPORTED_FIELDS:
+            if value is not None and value != UNSUPPORTED_FIELDS[name]:
+                raise InvalidRequest(f"'{name}' is not supported by this server yet")
+        elif name not in known:
+            raise InvalidRequest(f"unknown field '{name}'")
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    is_streaming: bool
+    include_usage: bool  # a last chunk with the usage (OpenAI)
+    continuous_usage: bool  # usage on every chunk (vLLM's continuous_usage_stats)
+
+
+def stream_options_from_openai(body: dict[str, Any]) -> StreamOptions:
+    is_streaming = _boolean("stream", body.get("stream", False))
+    options = body.get("stream_options")
+    if options is None:
+        return StreamOptions(is_streaming, False, False)
+    if not is_streaming:
+        raise InvalidRequest("stream_options is only allowed with stream: true")
+    if not isinstance(options, dict):
+        raise InvalidRequest(f"stream_options must be an object, got {options!r}")
+    unknown = set(options) - {"include_usage", "continuous_usage_stats"}
+    if unknown:
+        raise InvalidRequest(f"unknown stream_options field '{sorted(unknown)[0]}'")
+    return StreamOptions(
+        True,
+        _boolean("stream_options.include_usage", options.get("include_usage", False)),
+        _boolean("stream_options.continuous_usage_stats", options.get("continuous_usage_stats", False)),
+    )
+
+
+def completion_prompt(body: dict[str, Any]) -> str | list[int]:
+    """The prompt of a completions request as vLLM accepts it: text, token ids, or a one-element list of
+    either."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise InvalidRequest("'prompt' is required")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequest("prompt text is empty")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise InvalidRequest(f"one prompt per request: got a batch of {len(prompt)}")
+    return list(_token_ids("prompt", prompt)) or _empty_prompt()
+
+
+def _empty_prompt():
+    raise InvalidRequest("prompt token ids are empty")
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    """The chat messages with their content as plain text (text parts joined)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty list")
+    plain = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequest(f"messages[{index}] must be an object with a 'role'")
+        plain.append({**message, "content": _message_text(index, message.get("content"))})
+    return plain
+
+
+def _message_text(index: int, content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequest(f"messages[{index}].content: only text parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts")
+
+
+# ---- responses --------------------------------------------------------------------------------
+
+
+def finish_reason_to_openai(reason: FinishReason | None) -> str | None:
+    return None if reason is None else _FINISH_REASONS[reason]
+
+
+def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": num_prompt_tokens + num_output_tokens,
+    }
+
+
+@dataclass
+class ResponseIds:
+    """The id, creation time and model every object of one response carries."""
+
+    id: str
+    created: int
+    model: str
+
+    @classmethod
+    def new(cls, prefix: str, model: str) -> "ResponseIds":
+        return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model)
+
+    def envelope(self, object_name: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
+
+
+def completion_choice(text: str, finish: FinishReason | None) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason_to_openai(finish)}
+
+
+def chat_choice(text: str, finish: FinishReason | None) -> dict[str, Any]:
+    return {
+        "index": 0, "message": {"role": "assistant", "content": text},
+        "logprobs": None, "finish_reason": finish_reason_to_openai(finish),
+    }
+
+
+def chat_delta(delta: dict[str, str], finish: FinishReason | None) -> dict[str, Any]:
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason_to_openai(finish)}
+
+
+def error_object(message: str, error_type: str, status: int, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}

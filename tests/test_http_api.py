@@ -1,0 +1,259 @@
+"""The OpenAI-compatible HTTP front, driven by the official `openai` client: against the colocated server
+(in process) and the split system (router + prefill + decode processes). Completions and chat, streaming
+and not, usage, OpenAI-shaped errors with the right status, and a client that hangs up freeing its blocks."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import urllib.request
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from colocated_svc.servicer import ColocatedServicer
+from shared.serving.http_api import HttpFront, HttpServer
+from shared.serving.metrics import ServiceMetrics
+from shared.serving.pod_runtime import Pod, PodConfig, serving_cache_config, serving_scheduler_config
+from shared.serving.text import TextCodec
+
+pytestmark = pytest.mark.e2e
+
+NUM_BLOCKS = 128
+MAX_MODEL_LEN = 512
+PROMPT = "The router streams tokens from the decode pod"
+
+
+@contextlib.asynccontextmanager
+async def colocated_http():
+    """A colocated pod (tiny, with its preset tokenizer) behind the HTTP front; yields (client, pod, url)."""
+    pod = Pod(None, PodConfig(
+        model="tiny",
+        scheduler=dataclasses.replace(serving_scheduler_config(), max_model_len=MAX_MODEL_LEN),
+        cache=dataclasses.replace(serving_cache_config(), num_blocks=NUM_BLOCKS),
+    ))
+    pod.start()
+    codec = TextCodec.from_path("tiny")
+    servicer = ColocatedServicer(ServiceMetrics(), tokenizer=codec.tokenizer)
+    servicer.attach(pod)
+    front = HttpFront(servicer.Generate, model_name="tiny", codec=lambda: codec, registry=servicer.metrics.registry,
+                      is_ready=lambda: True, max_model_len=lambda: pod.max_model_len)
+    server = HttpServer(front.app, "127.0.0.1", 0)
+    await server.start()
+    try:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+            yield client, pod, server.url
+    finally:
+        await server.stop()
+        await pod.stop()
+
+
+async def _wait_until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+def _all_free(pod: Pod) -> bool:
+    load = pod.load_report()
+    return pod.loop.num_in_flight == 0 and load.num_free_blocks == load.num_total_blocks
+
+
+@pytest.mark.timeout(120)
+def test_colocated_completions_and_chat_streaming_and_not_with_usage():
+    async def scenario():
+        async with colocated_http() as (client, pod, _):
+            whole = await client.completions.create(
+                model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+            assert whole.object == "text_completion" and whole.choices[0].finish_reason == "length"
+            assert whole.usage.completion_tokens == 12 and whole.usage.prompt_tokens > 0
+            assert whole.usage.total_tokens == whole.usage.prompt_tokens + 12
+            stream = await client.completions.create(
+                model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            chunks = [chunk async for chunk in stream]
+            # Greedy: the streamed text (incrementally detokenized) is the whole response's text.
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+            assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+            assert all(c.usage is None for c in chunks[:-1])
+            # Token-id prompts, as vLLM takes them, give the same output as the text they encode to.
+            ids = TextCodec.from_path("tiny").encode(PROMPT)
+            by_ids = await client.completions.create(
+                model="tiny", prompt=ids, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+            assert by_ids.choices[0].text == whole.choices[0].text
+
+            messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi, wörld 日本"}]
+            chat = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+            assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+            assert chat.usage.completion_tokens == chat.usage.total_tokens - chat.usage.prompt_tokens
+            chat_stream = await client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True)
+            deltas = [chunk async for chunk in chat_stream]
+            assert deltas[0].choices[0].delta.role == "assistant"
+            assert "".join(d.choices[0].delta.content or "" for d in deltas) == chat.choices[0].message.content
+            assert deltas[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+            models = await client.models.list()
+            assert [m.id for m in models.data] == ["tiny"]
+            await _wait_until(lambda: _all_free(pod))
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(120)
+def test_colocated_errors_are_openai_shaped_with_the_right_status():
+    async def scenario():
+        async with colocated_http() as (client, pod, url):
+            cases = [
+                (dict(model="tiny", prompt=PROMPT, max_tokens=0), openai.BadRequestError, "max_tokens"),
+                (dict(model="tiny", prompt=PROMPT, stop=["x"]), openai.BadRequestError, "'stop'"),
+                (dict(model="tiny", prompt=[1, 2, 4096]), openai.BadRequestError, "out of vocabulary"),
+                (dict(model="tiny", prompt=[5] * MAX_MODEL_LEN), openai.BadRequestError, "maximum length"),
+                (dict(model="tiny", prompt=PROMPT, temperature=-1), openai.BadRequestError, "temperature"),
+                (dict(model="tiny", prompt=PROMPT, extra_body={"bogus": 1}), openai.BadRequestError, "'bogus'"),
+                (dict(model="gpt-9", prompt=PROMPT), openai.NotFoundError, "gpt-9"),
+            ]
+            for kwargs, error, needle in cases:
+                for stream in (False, True):
+                    with pytest.raises(error) as info:
+                        await client.completions.create(stream=stream, **kwargs)
+                    assert needle in info.value.body["message"], (kwargs, info.value.body)
+                    assert info.value.body["type"] == "invalid_request_error"
+            async with httpx.AsyncClient() as http:
+                answer = await http.post(f"{url}/v1/chat/completions", content=b"{not json")
+                assert answer.status_code == 400 and "not valid JSON" in answer.json()["error"]["message"]
+                assert (await http.get(f"{url}/health")).status_code == 200
+                metrics = (await http.get(f"{url}/metrics")).text
+                assert "vllm:num_requests_waiting" in metrics and "pdserve_requests_total" in metrics
+            await _wait_until(lambda: _all_free(pod))
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stream", [True, False])
+def test_colocated_client_hang_up_aborts_and_frees_blocks(stream):
+    async def scenario():
+        async with colocated_http() as (_, pod, url):
+            body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": stream}
+            async with httpx.AsyncClient() as http:
+                request = asyncio.ensure_future(http.post(f"{url}/v1/completions", json=body))
+                await _wait_until(lambda: pod.loop.num_in_flight == 1)
+                await asyncio.sleep(0.2)
+                request.cancel()  # closes the connection
+                with contextlib.suppress(asyncio.CancelledError):
+                    await request
+                await _wait_until(lambda: _all_free(pod))
+                metrics = (await http.get(f"{url}/metrics")).text
+            assert _count(metrics, "cancelled") == 1 and _count(metrics, "ok") == 0
+
+    asyncio.run(scenario())
+
+
+def _count(metrics_text: str, outcome: str) -> float:
+    return sum(sample.value for family in text_string_to_metric_families(metrics_text) for sample in family.samples
+               if sample.name == "pdserve_requests_total" and sample.labels.get("outcome") == outcome)
+
+
+# ---- the split system -------------------------------------------------------------------------
+
+
+def _scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=5) as answer:
+        text = answer.read().decode()
+    return {sample.name: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if not sample.labels}
+
+
+def _num_cancelled(url: str) -> float:
+    with urllib.request.urlopen(url, timeout=5) as answer:
+        return _count(answer.read().decode(), "cancelled")
+
+
+def _wait_pods_idle(cluster, timeout_s: float = 15.0) -> None:
+    """Through the pods' metrics: no KV block in use or held, nothing running."""
+    pods = [cluster.by_name("prefill-0"), cluster.by_name("decode-0")]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = [_scrape(pod.metrics_url) for pod in pods]
+        if all(s["vllm:kv_cache_usage_perc"] == 0 and s["pdserve_kv_blocks_held_for_peer"] == 0
+               and s["vllm:num_requests_running"] == 0 for s in samples):
+            return
+        assert time.monotonic() < deadline, f"pods still busy: {samples}"
+        time.sleep(0.2)
+
+
+# The split tests keep pytest's default timeout: the first to run also pays the shared cluster's start.
+@pytest.fixture
+def split_client(split_cluster):
+    with openai.OpenAI(base_url=split_cluster.router.http_url, api_key="unused", max_retries=0) as client:
+        yield client
+
+
+def test_split_completions_and_chat_match_grpc_text(split_cluster, split_client):
+    from pdserve.client import PdserveClient
+
+    with PdserveClient(split_cluster.router.address) as grpc_client:
+        grpc_text = "".join(c.text for c in grpc_client.generate(PROMPT, max_tokens=10, ignore_eos=True, timeout=60))
+    whole = split_client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == grpc_text
+    assert (whole.usage.completion_tokens, whole.choices[0].finish_reason) == (10, "length")
+    streamed = list(split_client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == grpc_text
+    assert streamed[-1].usage.completion_tokens == 10
+    chat = split_client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0)
+    chat_stream = list(split_client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chat_stream) == chat.choices[0].message.content
+    assert chat.usage.completion_tokens == 6 or chat.choices[0].finish_reason == "stop"
+    _wait_pods_idle(split_cluster)
+
+
+def test_split_errors_and_health(split_cluster, split_client):
+    with pytest.raises(openai.BadRequestError) as info:
+        split_client.completions.create(model="tiny", prompt=[1, 2, 99999], max_tokens=4)
+    assert "vocabulary" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        split_client.chat.completions.create(model="tiny", messages=[], max_tokens=4)
+    assert "messages" in info.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        split_client.completions.create(model="other", prompt=PROMPT, max_tokens=4)
+    base = split_cluster.router.http_url.removesuffix("/v1")
+    with urllib.request.urlopen(f"{base}/health", timeout=5) as answer:
+        assert answer.status == 200
+    assert "pdserve_router_requests_total" in urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
+    _wait_pods_idle(split_cluster)
+
+
+def test_split_stream_hang_up_frees_blocks_on_both_pods(split_cluster, split_client):
+    decode_metrics = split_cluster.by_name("decode-0").metrics_url
+    cancelled_before = _num_cancelled(decode_metrics)
+    stream = split_client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=1500, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    received = 0
+    for chunk in stream:
+        received += 1
+        if received >= 3:
+            break
+    stream.close()  # hangs up the HTTP connection
+    _wait_pods_idle(split_cluster)
+    # The hang-up reached the decode pod as a cancellation (not a finished request).
+    assert _num_cancelled(decode_metrics) == cancelled_before + 1
+
+
+def test_split_router_refuses_a_prompt_beyond_the_model_length_without_forwarding_it(split_cluster, split_client):
+    prefill_metrics = split_cluster.by_name("prefill-0").metrics_url
+    invalid_before = _count(urllib.request.urlopen(prefill_metrics, timeout=5).read().decode(), "invalid")
+    with pytest.raises(openai.BadRequestError) as info:
+        split_client.completions.create(model="tiny", prompt=[5] * 2100, max_tokens=4)
+    # The limit came from the pods' load reports (the tiny preset's 2048 positions).
+    assert "the model's maximum length is 2048" in info.value.body["message"]
+    assert _count(urllib.request.urlopen(prefill_metrics, timeout=5).read().decode(), "invalid") == invalid_before
+    assert split_client.models.list().data[0].max_model_len == 2048

@@ -1,0 +1,122 @@
+"""The HTTP front's pure parts: the OpenAI field -> SamplingParams table, refused fields, prompts as vLLM
+takes them; the presets' tokenizers (exact vocabulary, every id decodes, incremental detokenization across
+multi-byte characters) and chat templates rendered exactly as transformers renders them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shared.engine.model.model_config import PRESETS
+from shared.engine.model.preset_files import preset_tokenizer_dir
+from shared.engine.request import SamplingParams
+from shared.serving import openai_protocol as oai
+from shared.serving.chat_template import ChatTemplate, ChatTemplateError
+from shared.serving.outcomes import InvalidRequest
+from shared.serving.text import TextCodec
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Grüße, 日本語!"},
+            {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Again 🙂"}]
+
+
+def test_sampling_fields_map_onto_sampling_params():
+    params = oai.sampling_params_from_openai({
+        "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "seed": 3, "stop_token_ids": [9, 11],
+        "ignore_eos": True,
+    })
+    assert params == SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3,
+                                    stop_token_ids=(9, 11), ignore_eos=True)
+    # OpenAI's defaults where the request is silent; vLLM's top_k -1 is "off"; chat's newer max name.
+    assert oai.sampling_params_from_openai({}) == SamplingParams(temperature=1.0)
+    assert oai.sampling_params_from_openai({"top_k": -1, "max_completion_tokens": 5}).top_k == 0
+    assert oai.sampling_params_from_openai({"max_completion_tokens": 5}).max_tokens == 5
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": "8"}, "max_tokens must be an integer"),
+    ({"temperature": float("nan")}, "temperature must be a finite number"),
+    ({"top_p": 0}, "top_p"),
+    ({"ignore_eos": "yes"}, "ignore_eos must be true or false"),
+    ({"stop_token_ids": [1, "x"]}, "stop_token_ids"),
+])
+def test_bad_sampling_values_are_refused_with_the_field_named(body, needle):
+    with pytest.raises(InvalidRequest, match=needle):
+        oai.sampling_params_from_openai(body)
+
+
+def test_unsupported_and_unknown_fields_are_refused_but_neutral_values_pass():
+    oai.check_fields({"prompt": "x", "n": 1, "stop": None, "presence_penalty": 0, "user": "me"}, ("prompt",))
+    for body, needle in (({"n": 2}, "'n' is not supported"), ({"stop": ["\n"]}, "'stop' is not supported"),
+                         ({"logprobs": 2}, "'logprobs'"), ({"frobnicate": 1}, "unknown field 'frobnicate'")):
+        with pytest.raises(InvalidRequest, match=needle):
+            oai.check_fields({"prompt": "x", **body}, ("prompt",))
+
+
+def test_prompts_as_vllm_takes_them():
+    assert oai.completion_prompt({"prompt": "hi"}) == "hi"
+    assert oai.completion_prompt({"prompt": [5, 6]}) == [5, 6]
+    assert oai.completion_prompt({"prompt": ["hi"]}) == "hi"
+    assert oai.completion_prompt({"prompt": [[5, 6]]}) == [5, 6]
+    for body, needle in (({}, "'prompt' is required"), ({"prompt": ""}, "empty"), ({"prompt": []}, "empty"),
+                         ({"prompt": ["a", "b"]}, "one prompt per request"), ({"prompt": [1, True]}, "token ids")):
+        with pytest.raises(InvalidRequest, match=needle):
+            oai.completion_prompt(body)
+
+
+def test_stream_options():
+    assert oai.stream_options_from_openai({}) == oai.StreamOptions(False, False, False)
+    assert oai.stream_options_from_openai({"stream": True, "stream_options": {"include_usage": True}}) == \
+        oai.StreamOptions(True, True, False)
+    with pytest.raises(InvalidRequest, match="only allowed with stream"):
+        oai.stream_options_from_openai({"stream_options": {"include_usage": True}})
+
+
+def test_chat_messages_join_text_parts_and_refuse_others():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert oai.chat_messages({"messages": [{"role": "user", "content": parts}]})[0]["content"] == "ab"
+    with pytest.raises(InvalidRequest, match="only text parts"):
+        oai.chat_messages({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+    with pytest.raises(InvalidRequest, match="non-empty list"):
+        oai.chat_messages({"messages": []})
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_preset_tokenizer_has_the_exact_vocab_and_every_id_decodes(preset):
+    codec = TextCodec.from_path(preset)
+    assert codec.vocab_size == PRESETS[preset].vocab_size
+    decoded = codec.tokenizer.decode_batch([[token_id] for token_id in range(codec.vocab_size)])
+    assert len(decoded) == codec.vocab_size and all(isinstance(text, str) for text in decoded)
+    eos = PRESETS[preset].eos_token_id
+    assert codec.tokenizer.id_to_token(eos) == "</s>" and codec.tokenizer.id_to_token(1) == "<s>"
+
+
+def test_incremental_detokenization_is_exact_across_multibyte_characters():
+    codec = TextCodec.from_path("tiny")
+    text = "Grüße aus 日本語, emoji 🙂🙃 and ascii."
+    ids = codec.encode(text)
+    stream = codec.stream()
+    pieces = [stream.push([token_id]) for token_id in ids]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in piece for piece in pieces)  # no half characters on the way
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_chat_template_renders_exactly_as_transformers(preset):
+    from transformers import PreTrainedTokenizerFast
+
+    directory = preset_tokenizer_dir(preset)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"), **{
+        k: config[k] for k in ("bos_token", "eos_token", "pad_token", "chat_template")})
+    codec = TextCodec.from_path(preset)
+    expected = reference.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert codec.chat_template.render(MESSAGES) == expected
+    assert codec.encode_chat(MESSAGES) == reference.apply_chat_template(
+        MESSAGES, tokenize=True, add_generation_prompt=True, return_dict=False)
+
+
+def test_a_template_that_raises_is_a_clear_error():
+    template = ChatTemplate("{{ raise_exception('roles must alternate') }}", {})
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        template.render(MESSAGES)
