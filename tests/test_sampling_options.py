@@ -171,6 +171,7 @@ def test_bad_constraints_are_rejected_with_the_reason():
 
 def test_structured_output_needs_a_tokenizer():
     engine = LLMEngine("tiny", SchedulerConfig(max_model_len=64), CacheConfig(block_size=16, num_blocks=16))
+    engine.tokenizer = None  # a model directory without tokenizer.json
     spec = StructuredOutputSpec(json_object=True)
     with pytest.raises(ValueError, match="tokenizer"):
         engine.add_request(Request("r", PROMPT, SamplingParams(structured_output=spec), engine.eos_token_id))
