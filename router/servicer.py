@@ -133,16 +133,15 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             )
             if sampling.stop and self._codec is None:
                 raise ValueError("sampling: stop strings need a tokenizer: start the router with --tokenizer")
-            return prompt_ids, sampling
         except ValueError as exc:
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         # Refused here rather than shipped to a pod that would refuse it (a huge prompt costs every hop).
         max_model_len = self.max_model_len
-        if max_model_len is not None and len(prompt_ids) >= max_model_len:
+        if max_model_len is not None and len(prompt_ids) + sampling.max_tokens > max_model_len:
             raise RouteError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"the prompt has {len(prompt_ids)} tokens; the model's maximum length is {max_model_len}, "
-                "which leaves no room for output",
+                f"the prompt has {len(prompt_ids)} tokens and max_tokens is {sampling.max_tokens}; the model's "
+                f"maximum length is {max_model_len}: shorten the prompt or lower max_tokens",
             )
         return prompt_ids, sampling
 
