@@ -48,9 +48,10 @@ def systems(model_dir, tmp_path_factory):
     colocated = start_service("colocated", "colocated_svc", ["--host", HOST, "--port", str(port), *model_args],
                               address=f"{HOST}:{port}", log_dir=logs, env={"OMP_NUM_THREADS": "1"})
     try:
+        # Four processes load at once (and may wait on a kernel build): a generous start deadline.
         with LocalCluster.start(pod_args=model_args, router_args=["--tokenizer", str(model_dir)],
-                                log_dir=logs) as cluster:
-            wait_serving(colocated, timeout_s=120)
+                                log_dir=logs, timeout_s=300) as cluster:
+            wait_serving(colocated, timeout_s=300)
             yield cluster.by_name("router").address, colocated.address, cluster
     finally:
         colocated.stop()
