@@ -8,11 +8,12 @@ import uuid
 import grpc
 
 from proto.pdserve.v1 import generate_pb2_grpc
-from shared.serving import convert
+from shared.serving import convert, fan_out
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.outcomes import PodUnavailable, invalid_on_value_error
 from shared.serving.pod_server import PodServicer
-from shared.engine.request import Request, SamplingParams
+from shared.engine.request import FinishReason, Request, SamplingParams
+from shared.serving.output_text import OutputText
 from shared.serving.telemetry import SpanAttr
 from shared.serving.text import TextStream
 
@@ -35,33 +36,61 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
         return self.pod.tokenizer if self.pod is not None else None
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            sampling = convert.sampling_params_from_proto(request.sampling if request.HasField("sampling") else None)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if sampling.n == 1:
+            async for chunk in self._complete(request, context, request_id, sampling, 0):
+                yield chunk
+            return
+        children = lambda index: self._complete(  # noqa: E731
+            request, context, request_id, fan_out.child_params(sampling, index), index
+        )
+        async for chunk in fan_out.merge(children, sampling.n):
+            yield chunk
+
+    async def _complete(self, request, context, request_id: str, sampling: SamplingParams, index: int):
+        """One completion of the request, its chunks labelled with index."""
         async with await self.start_call(context, "colocated") as call:
             pod = self.pod
-            request_id = call.request_id = request.request_id or uuid.uuid4().hex
+            call.request_id = request_id
             # Two clients may choose the same id; the engine keys requests by id, so make it unique.
-            engine_request_id = f"{request_id}.{uuid.uuid4().hex[:8]}" if request.request_id else request_id
+            engine_request_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
             call.span.set_attribute(SpanAttr.REQUEST_ID, request_id)
-            prompt_ids, sampling = self.validate(request)
+            prompt_ids, _ = self.validate(request)
+            with invalid_on_value_error():
+                output = OutputText(TextStream(self.tokenizer) if self.tokenizer is not None else None, sampling)
             call.span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(prompt_ids))
             stream = call.submit(Request(engine_request_id, prompt_ids, sampling, eos_token_id=pod.eos_token_id))
-            text = TextStream(self.tokenizer) if self.tokenizer is not None else None
             finish = None
             async for outputs in stream.batches():
-                token_ids = [t for output in outputs for t in output.new_token_ids]
+                token_ids = [t for output_ in outputs for t in output_.new_token_ids]
+                logprobs = [e for output_ in outputs for e in (output_.new_logprobs or ())]
                 finish = outputs[-1].finish_reason if outputs[-1].finished else None
                 if not token_ids and finish is None:
                     continue
-                call.count_tokens(len(token_ids))
-                if finish is not None:
+                delta = output.push(token_ids, is_last=finish is not None)
+                call.count_tokens(len(delta.token_ids))
+                if delta.stop_string is not None:
+                    finish = FinishReason.STOP
+                    call.stop_early(finish)
+                elif finish is not None:
                     call.finish(finish)
                 yield convert.generate_chunk_to_proto(
                     request_id=request_id,
-                    token_ids=token_ids,
-                    text=text.push(token_ids, final=finish is not None) if text is not None else "",
+                    token_ids=delta.token_ids,
+                    text=delta.text,
                     finish_reason=finish,
                     num_prompt_tokens=len(prompt_ids),
                     num_output_tokens=call.num_output_tokens,
+                    logprobs=logprobs[:len(delta.token_ids)],
+                    index=index,
+                    stop_string=delta.stop_string or "",
                 )
+                if finish is not None:
+                    return
             if finish is None:  # the stream ended unfinished: the pod aborted everything (shutdown)
                 raise PodUnavailable("the pod stopped before the request finished")
 
@@ -73,5 +102,5 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
                 request, encode, no_tokenizer_hint="serve a model directory with tokenizer.json (or pass --tokenizer)"
             )
             prompt = convert.token_ids_from_proto(prompt, name="prompt token_ids", vocab_size=self.pod.vocab_size)
-            self.pod.check_prompt_fits(len(prompt))
+            self.pod.check_prompt_fits(len(prompt), sampling.max_tokens)
         return prompt, sampling

@@ -82,7 +82,8 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
         async with await self.start_call(context, None) as call:
             with invalid_on_value_error():
                 work = convert.decode_request_from_proto(request, vocab_size=self.pod.vocab_size)
-                self.pod.check_prompt_fits(len(work.prompt_token_ids) + len(work.generated_token_ids))
+                # Generated tokens count against max_tokens, so prompt + max_tokens bounds the whole sequence.
+                self.pod.check_prompt_fits(len(work.prompt_token_ids), work.sampling.max_tokens)
             call.span.set_attribute(SpanAttr.REQUEST_ID, work.request_id)
             call.span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(work.prompt_token_ids))
             traced = None
@@ -97,8 +98,9 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
                 pull_stats = None
                 async for outputs in stream.batches():
                     token_ids = [t for output in outputs for t in output.new_token_ids]
+                    logprobs = [e for output in outputs for e in (output.new_logprobs or ())]
                     finish_reason = outputs[-1].finish_reason
-                    chunk = wire.DecodeChunk(token_ids=token_ids, finish_reason=finish_reason)
+                    chunk = wire.DecodeChunk(token_ids=token_ids, finish_reason=finish_reason, logprobs=logprobs)
                     if pull_stats is None:
                         pull_stats = self._report_pull(work, early_stats)
                         chunk = dataclasses.replace(chunk, kv_pull=pull_stats)
@@ -134,8 +136,12 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
 
     async def _engine_request(self, work: wire.DecodeInput) -> tuple[Request, KvPullStats]:
         """The engine request continuing prompt + generated, with the handle if it can be pulled from."""
-        remaining = work.sampling.max_tokens - len(work.generated_token_ids)
-        params = dataclasses.replace(work.sampling, max_tokens=remaining)
+        num_generated = len(work.generated_token_ids)
+        params = dataclasses.replace(
+            work.sampling,
+            max_tokens=work.sampling.max_tokens - num_generated,
+            min_tokens=max(0, work.sampling.min_tokens - num_generated),
+        )
         kv_params = None
         stats = KvPullStats(0, 0, 0, 0.0, KvPullOutcome.NO_HANDLE)
         if work.handle is not None:
@@ -159,6 +165,8 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
             params,
             eos_token_id=self.pod.eos_token_id,
             kv_transfer_params=kv_params,
+            # Penalties and a grammar see the generated tokens as output, as the colocated engine does.
+            num_prior_output_tokens=num_generated,
         )
         return engine_request, stats
 

@@ -6,10 +6,13 @@
 
 Against a router with TLS and a bearer token:
 `PdserveClient(address, tls=TlsConfig(tls_ca="ca.pem"), api_token="...")` (add tls_cert/tls_key for mTLS).
+Sampling options are SamplingParams' fields (stop, presence_penalty, logprobs, n, seed, ...); a constraint
+is one of json_schema (a dict or JSON text), json_object=True, regex or grammar.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
@@ -18,7 +21,7 @@ from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
 from shared.serving import convert
 from shared.serving.api_auth import bearer_metadata
 from shared.serving.tls import TlsConfig
-from shared.engine.request import FinishReason, SamplingParams
+from shared.engine.request import FinishReason, SamplingParams, StructuredOutputSpec, TokenLogprobs
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -33,12 +36,28 @@ class GenerateChunk:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id, when asked for
+    index: int = 0  # which of the n completions
+    stop_string: str = ""  # the stop string that ended the completion
+
+
+def _structured_output(sampling: dict) -> StructuredOutputSpec | None:
+    """Pops the constraint kwargs (json_schema, json_object, regex, grammar) into one spec."""
+    chosen = {name: sampling.pop(name) for name in ("json_schema", "json_object", "regex", "grammar") if name in sampling}
+    if not chosen:
+        return None
+    if isinstance(chosen.get("json_schema"), dict):
+        chosen["json_schema"] = json.dumps(chosen["json_schema"])
+    return StructuredOutputSpec(**chosen)
 
 
 def build_generate_request(
     prompt: str | Sequence[int], *, request_id: str | None = None, **sampling
 ) -> generate_pb2.GenerateRequest:
     """Validates the sampling kwargs (SamplingParams' fields) locally so mistakes fail before the call."""
+    spec = _structured_output(sampling)
+    if spec is not None:
+        sampling["structured_output"] = spec
     params = SamplingParams(**sampling)
     message = generate_pb2.GenerateRequest(
         request_id=request_id or "", sampling=convert.sampling_params_to_proto(params)
@@ -58,6 +77,9 @@ def chunk_from_proto(message: generate_pb2.GenerateResponse) -> GenerateChunk:
         finish_reason=convert.finish_reason_from_proto(message.finish_reason),
         num_prompt_tokens=message.num_prompt_tokens,
         num_output_tokens=message.num_output_tokens,
+        logprobs=[convert.token_logprobs_from_proto(entry) for entry in message.logprobs],
+        index=message.index,
+        stop_string=message.stop_string,
     )
 
 

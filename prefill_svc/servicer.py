@@ -51,20 +51,22 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
         async with await self.start_call(context, "prefill") as call:
             with invalid_on_value_error():
                 work = convert.prefill_request_from_proto(request, vocab_size=self.pod.vocab_size)
-                self.pod.check_prompt_fits(len(work.prompt_token_ids))
+                self.pod.check_prompt_fits(len(work.prompt_token_ids), work.sampling.max_tokens)
             call.span.set_attribute(SpanAttr.REQUEST_ID, work.request_id)
             call.span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(work.prompt_token_ids))
             # Token 1 only: the rest is the decode pod's. The original params decide the handoff.
             stream = call.submit(Request(
                 work.request_id,
                 work.prompt_token_ids,
-                dataclasses.replace(work.sampling, max_tokens=1),
+                # min_tokens only matters at position 0 here (it holds EOS and stop tokens back).
+                dataclasses.replace(work.sampling, max_tokens=1, min_tokens=min(work.sampling.min_tokens, 1)),
                 eos_token_id=self.pod.eos_token_id,
                 kv_transfer_params=HoldForPeer() if work.sampling.max_tokens > 1 else None,
             ))
-            tokens, final = [], None
+            tokens, logprobs, final = [], [], None
             async for output in stream:
                 tokens.extend(output.new_token_ids)
+                logprobs.extend(output.new_logprobs or ())
                 final = output
             if final is None:
                 raise PodUnavailable("the pod stopped the request before token 1")
@@ -73,6 +75,8 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
             result = self._result(work, final, tokens, call.parent)
             if result.handle is not None:
                 self._free_hold_if_cancelled(context, work.request_id)
+            if logprobs:
+                result = dataclasses.replace(result, first_token_logprobs=logprobs[0])
             call.count_tokens(1)
             call.span.set_attribute(SpanAttr.NUM_OUTPUT_TOKENS, 1)
             if result.finish_reason is not None:

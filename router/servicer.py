@@ -3,10 +3,10 @@ relay tokens; retries, deadline and cancellation propagation, and KV-hold cleanu
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -21,7 +21,8 @@ from router.policy import NoPick, Route, RouteDecision, RouteReason, candidates,
 from router.retry import Backoff, Stalled, retry_after_s
 from shared.serving.text import TextCodec
 from router.workers import WorkerPool
-from shared.serving import convert, wire
+from shared.serving import convert, fan_out, wire
+from shared.serving.output_text import OutputText
 from shared.engine.kv_transfer.handle import KvHandle, KvPullStats
 from shared.engine.request import FinishReason, SamplingParams
 from shared.serving.outcomes import CANCELLED, ERROR, OK, outcome_of_code
@@ -104,11 +105,16 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             span.set_attribute("pdserve.max_tokens", sampling.max_tokens)
             remaining = context.time_remaining()
             deadline = _Deadline(self._config.request_timeout_s if remaining is None else remaining)
-            text = self._codec.stream() if self._codec is not None else None
-            async for chunk in self._route(
-                request_id, pod_request_id, prompt_ids, sampling, deadline, text, start, context
-            ):
-                yield chunk
+            if sampling.n == 1:
+                completions = self._route(request_id, pod_request_id, prompt_ids, sampling, deadline, start, context)
+            else:
+                completions = fan_out.merge(lambda index: self._route(
+                    request_id, f"{pod_request_id}-{index}", prompt_ids, fan_out.child_params(sampling, index),
+                    deadline, start, context, index,
+                ), sampling.n)
+            async with aclosing(completions):
+                async for chunk in completions:
+                    yield chunk
             outcome = OK
         except RouteError as exc:
             outcome = outcome_of_code(exc.code)
@@ -126,15 +132,17 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             prompt_ids, sampling = convert.generate_input_from_proto(
                 request, encode, no_tokenizer_hint="start the router with --tokenizer"
             )
+            if sampling.stop and self._codec is None:
+                raise ValueError("sampling: stop strings need a tokenizer: start the router with --tokenizer")
         except ValueError as exc:
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         # Refused here rather than shipped to a pod that would refuse it (a huge prompt costs every hop).
         max_model_len = self.max_model_len
-        if max_model_len is not None and len(prompt_ids) >= max_model_len:
+        if max_model_len is not None and len(prompt_ids) + sampling.max_tokens > max_model_len:
             raise RouteError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"the prompt has {len(prompt_ids)} tokens; the model's maximum length is {max_model_len}, "
-                "which leaves no room for output",
+                f"the prompt has {len(prompt_ids)} tokens and max_tokens is {sampling.max_tokens}; the model's "
+                f"maximum length is {max_model_len}: shorten the prompt or lower max_tokens",
             )
         return prompt_ids, sampling
 
@@ -145,19 +153,28 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         return min(lengths, default=None)
 
     async def _route(
-        self, request_id, pod_request_id, prompt_ids, sampling, deadline, text, start, context
+        self, request_id, pod_request_id, prompt_ids, sampling, deadline, start, context, index=0
     ) -> AsyncIterator:
+        """One completion: prefill then decode (or decode alone); its chunks labelled with index."""
         prompt = PromptHashes(prompt_ids)
         generated: list[int] = []
+        output = OutputText(self._codec.stream() if self._codec is not None else None, sampling)
+        num_sent = 0
 
-        def chunk(token_ids: list[int], finish: FinishReason | None):
+        def chunk(token_ids: list[int], finish: FinishReason | None, logprobs: list):
+            nonlocal num_sent
+            delta = output.push(token_ids, is_last=finish is not None)
+            num_sent += len(delta.token_ids)
             return convert.generate_chunk_to_proto(
                 request_id=request_id,
-                token_ids=token_ids,
-                text=text.push(token_ids, final=finish is not None) if text is not None else "",
-                finish_reason=finish,
+                token_ids=delta.token_ids,
+                text=delta.text,
+                finish_reason=FinishReason.STOP if delta.stop_string is not None else finish,
                 num_prompt_tokens=len(prompt_ids),
-                num_output_tokens=len(generated),
+                num_output_tokens=num_sent,
+                logprobs=logprobs[:len(delta.token_ids)],
+                index=index,
+                stop_string=delta.stop_string or "",
             )
 
         # Token 1 must not go out for a request no decode pod can take: check before any prefill.
@@ -171,19 +188,25 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                     hold = _Hold(prefill_address, pod_request_id, result.handle)
                     # However the call ends (cancelled or timed out even while token 1 goes out), a
                     # hold no decode pod confirmed is released at once, not at the lease's end.
-                    context.add_done_callback(lambda _context: self._abandon(hold))
+                    context.add_done_callback(lambda _context, hold=hold: self._abandon(hold))
                 # Token 1 goes out before any decode work: TTFT never waits for the KV transfer.
-                yield chunk([result.first_token_id], result.finish_reason)
+                first_logprobs = [result.first_token_logprobs] if result.first_token_logprobs is not None else []
+                first = chunk([result.first_token_id], result.finish_reason, first_logprobs)
+                yield first
                 self._record_ttft(start)
-                if result.finish_reason is not None:
-                    return
+                if first.finish_reason:
+                    return  # token 1 ended it (or a stop string in it): the finally frees any hold
             decoded = self._run_decode(pod_request_id, prompt, sampling, generated, deadline, hold)
-            async with contextlib.aclosing(decoded) as tokens:
-                async for token_ids, finish in tokens:
+            async with aclosing(decoded):
+                async for token_ids, finish, logprobs in decoded:
                     is_first = hold is None and len(generated) == len(token_ids) and bool(token_ids)
-                    yield chunk(token_ids, finish)
+                    sent = chunk(token_ids, finish, logprobs)
+                    yield sent
                     if is_first:
                         self._record_ttft(start)
+                    if sent.finish_reason:
+                        # Maybe a stop string: closing the decode call aborts the request on the decode pod.
+                        return
         finally:
             # No decode pod confirmed the pull: free the prefill hold now instead of at lease expiry.
             self._abandon(hold)
@@ -350,7 +373,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         while True:
             if len(generated) >= sampling.max_tokens:
                 # A pod died right after the last token but before saying so: the request is complete.
-                yield [], FinishReason.LENGTH
+                yield [], FinishReason.LENGTH, []
                 return
             choice = self._pick(self._decode, refused, prompt)
             if choice.address is None:
@@ -366,10 +389,10 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             try:
                 # Closed at once when the client goes away: that cancels the Decode call.
                 attempt = self._decode_on(choice.address, work, generated, deadline, hold)
-                async with contextlib.aclosing(attempt) as tokens:
-                    async for token_ids, finish in tokens:
+                async with aclosing(attempt) as tokens:
+                    async for token_ids, finish, logprobs in tokens:
                         backoff.reset()
-                        yield token_ids, finish
+                        yield token_ids, finish, logprobs
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -399,7 +422,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             )
 
     async def _decode_on(self, address: str, work: wire.DecodeInput, generated: list[int], deadline, hold):
-        """One Decode call: yields (new token ids, finish reason or None) until the finish reason."""
+        """One Decode call: yields (new token ids, finish reason or None, their logprobs) until the finish reason."""
         with self._decode.use(address) as stub:
             call = stub.Decode(convert.decode_request_to_proto(work), timeout=deadline.remaining())
             try:
@@ -417,7 +440,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                         self._record_pull(work.request_id, decoded.kv_pull)
                     generated.extend(decoded.token_ids)
                     if decoded.token_ids or decoded.finish_reason is not None:
-                        yield decoded.token_ids, decoded.finish_reason
+                        yield decoded.token_ids, decoded.finish_reason, decoded.logprobs
                     if decoded.finish_reason is not None:
                         return
             finally:

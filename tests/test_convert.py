@@ -4,7 +4,7 @@ import pytest
 from proto.pdserve.v1 import common_pb2, decode_pb2, generate_pb2, prefill_pb2
 from shared.serving import convert, wire
 from shared.engine.kv_transfer.handle import KvRegion, KvSource
-from shared.engine.request import FinishReason, SamplingParams
+from shared.engine.request import FinishReason, SamplingParams, StructuredOutputSpec, TokenLogprobs
 
 LAYOUT = convert.KvLayout("tiny", "float32", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
 
@@ -38,11 +38,41 @@ def test_sampling_params_defaults_when_unset():
         ({"temperature": 1e9}, "temperature"),
         ({"seed": 2**63}, "seed"),
         ({"prompt_logprobs": 1000}, "prompt_logprobs"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3.0}, "frequency_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty must be numbers, got NaN"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        ({"logit_bias": {7: 101.0}}, r"logit_bias\[7\]"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"n": 0}, "n must be"),
+        ({"n": 17}, "n must be"),
+        ({"stop": [""]}, "stop strings"),
+        ({"structured_output": common_pb2.StructuredOutput()}, "structured_output"),
+        ({"structured_output": common_pb2.StructuredOutput(regex="")}, "structured_output.regex is empty"),
     ],
 )
 def test_bad_sampling_params_are_rejected(fields, needle):
     with pytest.raises(ValueError, match=needle):
         convert.sampling_params_from_proto(common_pb2.SamplingParams(**fields))
+
+
+def test_sampling_options_round_trip():
+    params = SamplingParams(
+        max_tokens=9, stop=("ab", "c d"), include_stop_str_in_output=True, presence_penalty=0.5,
+        frequency_penalty=-0.25, repetition_penalty=1.3, min_tokens=2, logit_bias={5: 3.0, 2: -1.5},
+        logprobs=3, n=4, seed=11, structured_output=StructuredOutputSpec(json_schema='{"type": "object"}'),
+    )
+    assert convert.sampling_params_from_proto(convert.sampling_params_to_proto(params)) == params
+    for spec in (StructuredOutputSpec(json_object=True), StructuredOutputSpec(regex="[ab]+"),
+                 StructuredOutputSpec(grammar="start: \"x\"")):
+        with_spec = SamplingParams(structured_output=spec)
+        assert convert.sampling_params_from_proto(convert.sampling_params_to_proto(with_spec)) == with_spec
+
+
+def test_token_logprobs_round_trip():
+    entry = TokenLogprobs(7, -0.5, ((7, -0.5), (3, -1.25)))
+    assert convert.token_logprobs_from_proto(convert.token_logprobs_to_proto(entry)) == entry
 
 
 def test_finish_reason_mapping_is_total_and_inverse():

@@ -104,12 +104,43 @@ def test_colocated_completions_and_chat_streaming_and_not_with_usage():
 
 
 @pytest.mark.timeout(120)
+def test_colocated_stop_penalties_and_json_schema_through_the_openai_client():
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}},
+              "required": ["ok", "color"], "additionalProperties": False}
+
+    async def scenario():
+        async with colocated_http() as (client, pod, url):
+            free = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
+                                                   extra_body={"ignore_eos": True})
+            text = free.choices[0].text
+            stop = text[4:7]
+            cut = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
+                                                  stop=[stop], extra_body={"ignore_eos": True})
+            assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
+            penalized = await client.completions.create(
+                model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, frequency_penalty=2.0,
+                presence_penalty=1.0, extra_body={"ignore_eos": True, "min_tokens": 3})
+            assert penalized.choices[0].text != text
+            chat = await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "colour?"}], max_tokens=40, temperature=0,
+                response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+            jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+            await _wait_until(lambda: _all_free(pod))
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(120)
 def test_colocated_errors_are_openai_shaped_with_the_right_status():
     async def scenario():
         async with colocated_http() as (client, pod, url):
             cases = [
                 (dict(model="tiny", prompt=PROMPT, max_tokens=0), openai.BadRequestError, "max_tokens"),
-                (dict(model="tiny", prompt=PROMPT, stop=["x"]), openai.BadRequestError, "'stop'"),
+                (dict(model="tiny", prompt=PROMPT, n=2), openai.BadRequestError, "'n'"),
                 (dict(model="tiny", prompt=[1, 2, 4096]), openai.BadRequestError, "out of vocabulary"),
                 (dict(model="tiny", prompt=[5] * MAX_MODEL_LEN), openai.BadRequestError, "maximum length"),
                 (dict(model="tiny", prompt=PROMPT, temperature=-1), openai.BadRequestError, "temperature"),

@@ -9,7 +9,7 @@ import pytest
 
 from shared.engine.model.model_config import PRESETS
 from shared.engine.model.preset_files import preset_tokenizer_dir
-from shared.engine.request import SamplingParams
+from shared.engine.request import SamplingParams, StructuredOutputSpec
 from shared.serving import openai_protocol as oai
 from shared.serving.chat_template import ChatTemplate, ChatTemplateError
 from shared.serving.outcomes import InvalidRequest
@@ -45,9 +45,32 @@ def test_bad_sampling_values_are_refused_with_the_field_named(body, needle):
         oai.sampling_params_from_openai(body)
 
 
+def test_sampling_options_map_onto_sampling_params():
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    params = oai.sampling_params_from_openai({
+        "stop": "\n", "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
+        "min_tokens": 2, "logit_bias": {"17": 5}, "max_tokens": 9,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    })
+    assert params == SamplingParams(
+        temperature=1.0, max_tokens=9, stop=("\n",), presence_penalty=0.5, frequency_penalty=-0.5,
+        repetition_penalty=1.2, min_tokens=2, logit_bias={17: 5.0},
+        structured_output=StructuredOutputSpec(json_schema=json.dumps(schema)),
+    )
+    assert oai.sampling_params_from_openai({"response_format": {"type": "json_object"}}).structured_output == \
+        StructuredOutputSpec(json_object=True)
+    assert oai.sampling_params_from_openai({"response_format": {"type": "text"}}).structured_output is None
+    assert oai.sampling_params_from_openai({"guided_regex": "a+"}).structured_output == StructuredOutputSpec(regex="a+")
+    for body, needle in (({"logit_bias": {"x": 1}}, "logit_bias keys"), ({"stop": [1]}, "stop must be"),
+                         ({"response_format": {"type": "yaml"}}, "response_format"),
+                         ({"presence_penalty": 3}, "presence_penalty")):
+        with pytest.raises(InvalidRequest, match=needle):
+            oai.sampling_params_from_openai(body)
+
+
 def test_unsupported_and_unknown_fields_are_refused_but_neutral_values_pass():
     oai.check_fields({"prompt": "x", "n": 1, "stop": None, "presence_penalty": 0, "user": "me"}, ("prompt",))
-    for body, needle in (({"n": 2}, "'n' is not supported"), ({"stop": ["\n"]}, "'stop' is not supported"),
+    for body, needle in (({"n": 2}, "'n' is not supported"), ({"top_logprobs": 2}, "'top_logprobs'"),
                          ({"logprobs": 2}, "'logprobs'"), ({"frobnicate": 1}, "unknown field 'frobnicate'")):
         with pytest.raises(InvalidRequest, match=needle):
             oai.check_fields({"prompt": "x", **body}, ("prompt",))

@@ -205,7 +205,7 @@ def test_cancelled_stream_frees_blocks_on_both_pods(cluster):
     prompt = _prompts(1, seed=9)[0]
     cancelled = threading.Event()
     with PdserveClient(cluster.router.address) as client:
-        stream = client.generate(prompt, max_tokens=2000, ignore_eos=True, timeout=60)
+        stream = client.generate(prompt, max_tokens=2048 - len(prompt), ignore_eos=True, timeout=60)
         received = 0
         for chunk in stream:
             received += len(chunk.token_ids)

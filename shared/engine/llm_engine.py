@@ -21,7 +21,11 @@ from shared.engine.kv_cache.manager import KVCacheUsage
 from shared.engine.kv_transfer.connector import KVConnectorBase
 from shared.engine.model.loader import LoadedModel, load_model
 from shared.engine.model.runner import ModelRunner
-from shared.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from shared.engine.grammar import Grammar, GrammarCompiler
+from shared.engine.request import (
+    FinishReason, Request, RequestStatus, SamplingParams, StructuredOutputSpec, TokenLogprobs,
+)
+from shared.engine.structured_output import StructuredOutputRequest
 from shared.engine.sched.output import EngineCoreOutput
 from shared.engine.sched.scheduler import Scheduler
 
@@ -37,6 +41,7 @@ class GenerationOutput:
     text: str | None = None  # decoded output when the model has a tokenizer
     prompt_logprobs: list[dict[int, float] | None] | None = None  # None for the first prompt token
     stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per output token, when asked for
 
 
 @dataclass
@@ -132,7 +137,9 @@ class LLMEngine:
             num_speculative_tokens=scheduler_config.num_speculative_tokens,
             ngram_min=ngram_min, ngram_max=ngram_max, connector=connector,
             max_model_len=scheduler_config.max_model_len, seed=seed, device=device,
+            eos_token_ids=tuple(self.eos_token_ids),
         )
+        self._grammar_compiler: GrammarCompiler | None = None  # built on the first structured request
         self.last_stats = None  # SchedulerStats of the latest step
         self.counters = EngineCounters()
         self._request_counter = itertools.count()
@@ -148,7 +155,23 @@ class LLMEngine:
             )
         if len(self.eos_token_ids) > 1:
             request.add_eos_token_ids(self.eos_token_ids[1:])
+        spec = request.sampling_params.structured_output
+        if spec is not None and request.structured_output_request is None:
+            request.structured_output_request = StructuredOutputRequest(self._grammar_for(request, spec))
         self.scheduler.add_request(request)
+
+    def _grammar_for(self, request: Request, spec: StructuredOutputSpec) -> Grammar:
+        """The request's grammar, advanced over the output an earlier engine generated (a continued request)."""
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer (tokenizer.json in the model directory)")
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        grammar = self._grammar_compiler.compile(spec)
+        prior = request.prompt_token_ids[len(request.prompt_token_ids) - request.num_prior_output_tokens:]
+        if prior and not grammar.accept_tokens(request.request_id, prior):
+            raise ValueError(f"request {request.request_id!r}: the tokens already generated break the structured "
+                             f"output constraint: {grammar.error}")
+        return grammar
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
@@ -221,6 +244,8 @@ class LLMEngine:
             results[request_id] = GenerationOutput(request_id, token_ids, [], None)
             if params.prompt_logprobs is not None:
                 results[request_id].prompt_logprobs = [None]
+            if params.logprobs is not None:
+                results[request_id].logprobs = []
             order.append(request_id)
         pending = set(order)
         while pending:
@@ -231,6 +256,8 @@ class LLMEngine:
                 result.token_ids.extend(out.new_token_ids)
                 if out.new_prompt_logprobs and result.prompt_logprobs is not None:
                     result.prompt_logprobs.extend(out.new_prompt_logprobs)
+                if out.new_logprobs and result.logprobs is not None:
+                    result.logprobs.extend(out.new_logprobs)
                 if out.finished:
                     result.finish_reason = out.finish_reason
                     result.stop_reason = out.stop_reason

@@ -5,6 +5,7 @@ No proto and no torch here: both tiers, the scheduler tests and the services sha
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,13 @@ if TYPE_CHECKING:
 MAX_TOP_K = 1 << 20
 MAX_PROMPT_LOGPROBS = 20
 MAX_TEMPERATURE = 100.0
+MAX_LOGPROBS = 20
+MAX_N = 16
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY], as in OpenAI's API
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 100.0
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -29,11 +37,27 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     prompt_logprobs: int | None = None
+    # Text that ends the request; cut from the output text unless include_stop_str_in_output.
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0  # subtracted once from each token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides (or multiplies, if negative) logits of prompt and output tokens
+    min_tokens: int = 0  # EOS and stop tokens are masked until this many output tokens exist
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), by token id
+    logprobs: int | None = None  # per output token: its log-probability plus this many most likely
+    n: int = 1  # completions per prompt (fanned out by the serving layer)
+    structured_output: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
-        # Accept any iterable (or None) for stop tokens, store an immutable tuple.
+        # Accept any iterable (or None) for lists, a mapping for logit_bias; store immutable values.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        object.__setattr__(self, "logit_bias", tuple(sorted((token, bias) for token, bias in bias)))
         self._validate()
+        self._validate_options()
 
     def _validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -54,9 +78,70 @@ class SamplingParams:
             if not isinstance(token_id, int) or token_id < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {token_id!r}")
 
+    def _validate_options(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty}"
+            )
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        for token_id, bias in self.logit_bias:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token_id!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{token_id}] must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {bias}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop holds at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for text in self.stop:
+            if not isinstance(text, str) or not 0 < len(text) <= MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop strings must be non-empty strings of at most {MAX_STOP_STRING_CHARS} "
+                                 f"characters, got {text!r}")
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @functools.cached_property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @functools.cached_property  # read for every sampled row
+    def processes_logits(self) -> bool:
+        """True when logits change before sampling (penalties, bias, min_tokens, a grammar): the slow path."""
+        return bool(self.has_penalties or self.logit_bias or self.min_tokens or self.structured_output)
+
+
+@dataclass(frozen=True)
+class StructuredOutputSpec:
+    """A constraint every output must satisfy: exactly one of a JSON schema (as JSON text), any JSON
+    object, a regular expression or a Lark grammar."""
+
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        chosen = [self.json_schema is not None, self.json_object, self.regex is not None, self.grammar is not None]
+        if sum(chosen) != 1:
+            raise ValueError("structured output takes exactly one of json_schema, json_object, regex, grammar")
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One output token's log-probability under the model, and the most likely tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
 class RequestStatus(enum.IntEnum):
@@ -130,7 +215,10 @@ class Request:
         kv_transfer_params: KvTransferParams | None = None,
         cache_salt: str | None = None,
         structured_output_request=None,
+        num_prior_output_tokens: int = 0,
     ) -> None:
+        """num_prior_output_tokens: how many trailing prompt tokens are output a previous engine already
+        generated (a continued request); penalties and min_tokens count them as output."""
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
         if mm_hashes is not None and len(mm_hashes) != len(mm_positions or ()):
@@ -148,6 +236,9 @@ class Request:
         self.kv_transfer_params = kv_transfer_params
         self.cache_salt = cache_salt
         self.structured_output_request = structured_output_request
+        if not 0 <= num_prior_output_tokens < len(self.prompt_token_ids):
+            raise ValueError(f"request {request_id!r}: num_prior_output_tokens must be in [0, prompt length)")
+        self.num_prior_output_tokens = num_prior_output_tokens
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

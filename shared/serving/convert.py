@@ -12,7 +12,7 @@ from proto.pdserve.v1 import common_pb2, decode_pb2, generate_pb2, kv_events_pb2
 from shared.engine.kv_cache.events import KvEvent, KvEventKind
 from shared.engine.kv_transfer.handle import KvHandle, KvLayout, KvPullOutcome, KvPullStats
 from shared.engine.kv_transfer.handle import KvRegion, KvSource
-from shared.engine.request import FinishReason, SamplingParams
+from shared.engine.request import FinishReason, SamplingParams, StructuredOutputSpec, TokenLogprobs
 from shared.serving.wire import (
     DecodeChunk, DecodeInput, KvEventUpdate, LoadReport, PrefillInput, PrefillKvSource, PrefillResult,
 )
@@ -82,12 +82,45 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         temperature=params.temperature,
         top_k=_check_uint("top_k", params.top_k),
         top_p=params.top_p,
+        stop=list(params.stop),
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        min_tokens=_check_uint("min_tokens", params.min_tokens),
+        logit_bias={_check_uint("logit_bias key", token): bias for token, bias in params.logit_bias},
     )
     if params.seed is not None:
         message.seed = _check_uint("seed", params.seed, UINT64_MAX)
     if params.prompt_logprobs is not None:
         message.prompt_logprobs = _check_uint("prompt_logprobs", params.prompt_logprobs)
+    if params.repetition_penalty != 1.0:
+        message.repetition_penalty = params.repetition_penalty
+    if params.logprobs is not None:
+        message.logprobs = _check_uint("logprobs", params.logprobs)
+    if params.n != 1:
+        message.n = _check_uint("n", params.n)
+    if params.structured_output is not None:
+        message.structured_output.CopyFrom(_structured_output_to_proto(params.structured_output))
     return message
+
+
+def _structured_output_to_proto(spec: StructuredOutputSpec) -> common_pb2.StructuredOutput:
+    if spec.json_schema is not None:
+        return common_pb2.StructuredOutput(json_schema=spec.json_schema)
+    if spec.json_object:
+        return common_pb2.StructuredOutput(json_object=True)
+    if spec.regex is not None:
+        return common_pb2.StructuredOutput(regex=spec.regex)
+    return common_pb2.StructuredOutput(grammar=spec.grammar)
+
+
+def _structured_output_from_proto(message: common_pb2.StructuredOutput) -> StructuredOutputSpec:
+    kind = message.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not message.json_object):
+        raise ValueError("structured_output is set but names no constraint (json_schema, json_object, regex, grammar)")
+    if kind != "json_object" and not getattr(message, kind):
+        raise ValueError(f"structured_output.{kind} is empty")
+    return StructuredOutputSpec(**{kind: getattr(message, kind)})
 
 
 def sampling_params_from_proto(message: common_pb2.SamplingParams | None) -> SamplingParams:
@@ -99,16 +132,41 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams | None) -> Sam
         "stop_token_ids": tuple(message.stop_token_ids),
         "temperature": message.temperature,
         "top_k": message.top_k,
+        "stop": tuple(message.stop),
+        "include_stop_str_in_output": message.include_stop_str_in_output,
+        "presence_penalty": message.presence_penalty,
+        "frequency_penalty": message.frequency_penalty,
+        "min_tokens": message.min_tokens,
+        "logit_bias": dict(message.logit_bias),
     }
-    for name in ("max_tokens", "top_p", "seed", "prompt_logprobs"):
+    for name in ("max_tokens", "top_p", "seed", "prompt_logprobs", "repetition_penalty", "logprobs", "n"):
         if message.HasField(name):
             kwargs[name] = getattr(message, name)
-    if math.isnan(kwargs["temperature"]) or ("top_p" in kwargs and math.isnan(kwargs["top_p"])):
-        raise ValueError("sampling: temperature and top_p must be numbers, got NaN")
+    floats = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+    not_numbers = [name for name in floats if name in kwargs and math.isnan(kwargs[name])]
+    not_numbers += [f"logit_bias[{token}]" for token, bias in kwargs["logit_bias"].items() if math.isnan(bias)]
+    if not_numbers:
+        raise ValueError(f"sampling: {', '.join(not_numbers)} must be numbers, got NaN")
     try:
+        if message.HasField("structured_output"):
+            kwargs["structured_output"] = _structured_output_from_proto(message.structured_output)
         return SamplingParams(**kwargs)
     except ValueError as exc:
         raise ValueError(f"sampling: {exc}") from None
+
+
+def token_logprobs_to_proto(entry: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(
+        token_id=_check_uint("logprobs token_id", entry.token_id),
+        logprob=entry.logprob,
+        top=[common_pb2.TopLogprob(token_id=token, logprob=value) for token, value in entry.top],
+    )
+
+
+def token_logprobs_from_proto(message: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(
+        message.token_id, message.logprob, tuple((top.token_id, top.logprob) for top in message.top)
+    )
 
 
 # ---- token ids ---------------------------------------------------------------------------------
@@ -339,6 +397,8 @@ def prefill_result_to_proto(result: PrefillResult) -> prefill_pb2.PrefillRespons
     )
     if result.handle is not None:
         message.handle.CopyFrom(kv_handle_to_proto(result.handle))
+    if result.first_token_logprobs is not None:
+        message.first_token_logprobs.CopyFrom(token_logprobs_to_proto(result.first_token_logprobs))
     return message
 
 
@@ -354,6 +414,10 @@ def prefill_result_from_proto(message: prefill_pb2.PrefillResponse) -> PrefillRe
         num_prompt_tokens=message.num_prompt_tokens,
         finish_reason=finish_reason,
         handle=kv_handle_from_proto(message.handle) if has_handle else None,
+        first_token_logprobs=(
+            token_logprobs_from_proto(message.first_token_logprobs)
+            if message.HasField("first_token_logprobs") else None
+        ),
     )
 
 
@@ -408,6 +472,7 @@ def decode_chunk_to_proto(chunk: DecodeChunk) -> decode_pb2.DecodeResponse:
     )
     if chunk.kv_pull is not None:
         message.kv_pull.CopyFrom(kv_pull_stats_to_proto(chunk.kv_pull))
+    message.logprobs.extend(token_logprobs_to_proto(entry) for entry in chunk.logprobs)
     return message
 
 
@@ -416,6 +481,7 @@ def decode_chunk_from_proto(message: decode_pb2.DecodeResponse) -> DecodeChunk:
         token_ids=list(message.token_ids),
         finish_reason=finish_reason_from_proto(message.finish_reason),
         kv_pull=kv_pull_stats_from_proto(message.kv_pull) if message.HasField("kv_pull") else None,
+        logprobs=[token_logprobs_from_proto(entry) for entry in message.logprobs],
     )
 
 
@@ -458,6 +524,9 @@ def generate_chunk_to_proto(
     num_output_tokens: int,
     text: str = "",
     finish_reason: FinishReason | None = None,
+    logprobs: list[TokenLogprobs] = (),
+    index: int = 0,
+    stop_string: str = "",
 ) -> generate_pb2.GenerateResponse:
     return generate_pb2.GenerateResponse(
         request_id=request_id,
@@ -466,6 +535,9 @@ def generate_chunk_to_proto(
         finish_reason=finish_reason_to_proto(finish_reason),
         num_prompt_tokens=num_prompt_tokens,
         num_output_tokens=num_output_tokens,
+        logprobs=[token_logprobs_to_proto(entry) for entry in logprobs],
+        index=index,
+        stop_string=stop_string,
     )
 
 

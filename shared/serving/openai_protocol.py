@@ -3,13 +3,14 @@ the public Generate input (prompt + the domain SamplingParams, in one mapping ta
 response and stream-chunk objects. No web framework here; errors are InvalidRequest saying what is wrong."""
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from shared.engine.request import FinishReason, SamplingParams
+from shared.engine.request import FinishReason, SamplingParams, StructuredOutputSpec
 from shared.serving.outcomes import InvalidRequest
 
 # OpenAI's default (the domain default is greedy; an OpenAI client that sends no temperature expects 1).
@@ -52,6 +53,49 @@ def _token_ids(name: str, value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _stop(name: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list) or not all(isinstance(text, str) for text in value):
+        raise InvalidRequest(f"{name} must be a string or a list of strings, got {value!r}")
+    return tuple(value)
+
+
+def _logit_bias(name: str, value: Any) -> dict[int, float]:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{name} must be an object of token id -> bias, got {value!r}")
+    try:
+        return {int(token): _number(f"{name}[{token}]", bias) for token, bias in value.items()}
+    except ValueError:
+        raise InvalidRequest(f"{name} keys must be token ids, got {sorted(value)!r}") from None
+
+
+def _response_format(name: str, value: Any) -> StructuredOutputSpec | None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputSpec(json_object=True)
+    if kind == "json_schema":
+        schema = (value.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise InvalidRequest(f"{name}.json_schema.schema must be a JSON schema object")
+        return StructuredOutputSpec(json_schema=json.dumps(schema))
+    raise InvalidRequest(f"{name} must be {{'type': 'text' | 'json_object' | 'json_schema', ...}}, got {value!r}")
+
+
+def _guided(kind: str) -> Callable[[str, Any], StructuredOutputSpec]:
+    """vLLM's guided_json / guided_regex / guided_grammar."""
+    def parse(name: str, value: Any) -> StructuredOutputSpec:
+        if kind == "json_schema":
+            return StructuredOutputSpec(json_schema=value if isinstance(value, str) else json.dumps(value))
+        if not isinstance(value, str) or not value:
+            raise InvalidRequest(f"{name} must be a non-empty string")
+        return StructuredOutputSpec(**{kind: value})
+    return parse
+
+
 # The one mapping from OpenAI request fields to SamplingParams fields: field -> (param, parse).
 # A supported option is one more row here.
 SAMPLING_FIELDS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
@@ -63,15 +107,24 @@ SAMPLING_FIELDS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "seed": ("seed", _integer),
     "stop_token_ids": ("stop_token_ids", _token_ids),
     "ignore_eos": ("ignore_eos", _boolean),
+    "stop": ("stop", _stop),
+    "include_stop_str_in_output": ("include_stop_str_in_output", _boolean),
+    "presence_penalty": ("presence_penalty", _number),
+    "frequency_penalty": ("frequency_penalty", _number),
+    "repetition_penalty": ("repetition_penalty", _number),
+    "min_tokens": ("min_tokens", _integer),
+    "logit_bias": ("logit_bias", _logit_bias),
+    "response_format": ("structured_output", _response_format),
+    "guided_json": ("structured_output", _guided("json_schema")),
+    "guided_regex": ("structured_output", _guided("regex")),
+    "guided_grammar": ("structured_output", _guided("grammar")),
 }
 
 # Known OpenAI/vLLM fields this server does not honour yet, with the value that asks for nothing (a
 # request may carry that value; any other is refused with 400 rather than silently ignored).
 UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "stop": None, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": None,
     "logprobs": None, "top_logprobs": None, "n": 1, "best_of": 1, "echo": False, "suffix": None,
-    "min_tokens": 0, "response_format": None, "tools": None, "tool_choice": None, "guided_json": None,
-    "guided_regex": None, "guided_grammar": None, "min_p": 0, "functions": None, "function_call": None,
+    "tools": None, "tool_choice": None, "min_p": 0, "functions": None, "function_call": None,
 }
 # Fields that change nothing in the output (accepted and ignored).
 INFORMATIONAL_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")

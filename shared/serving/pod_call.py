@@ -68,6 +68,13 @@ class PodCall:
             self._servicer.metrics.tpot_seconds.observe(tpot_s)
             self.span.set_attribute(SpanAttr.TPOT_S, tpot_s)
 
+    def stop_early(self, reason: FinishReason) -> None:
+        """The request ended before the engine finished it (a stop string): the engine drops it now,
+        freeing its blocks, and the call counts as finished."""
+        self.finish(reason)
+        if self.stream is not None:
+            self.pod.loop.abort(self.stream.request_id)
+
     def engine_request_finished(self) -> None:
         """The engine is done with the request (nothing to abort) although the call goes on."""
         self._is_finished = True

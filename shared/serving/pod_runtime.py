@@ -164,12 +164,12 @@ class Pod:
         if self.connector is not None:
             self.connector.shutdown()
 
-    def check_prompt_fits(self, num_tokens: int) -> None:
-        """InvalidRequest unless num_tokens leaves room for at least one more token."""
-        if num_tokens >= self.max_model_len:
+    def check_prompt_fits(self, num_tokens: int, max_tokens: int = 1) -> None:
+        """InvalidRequest unless num_tokens leaves room for max_tokens more (vLLM rejects, never caps)."""
+        if num_tokens + max_tokens > self.max_model_len:
             raise InvalidRequest(
-                f"the prompt has {num_tokens} tokens; the model's maximum length is {self.max_model_len}, "
-                "which leaves no room for output"
+                f"the prompt has {num_tokens} tokens and max_tokens is {max_tokens}; together they exceed the "
+                f"model's maximum length {self.max_model_len}: shorten the prompt or lower max_tokens"
             )
 
     def submit(self, request: Request) -> RequestStream:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from shared.engine.kv_cache.events import KvEvent
 from shared.engine.kv_transfer.handle import KvHandle, KvLayout, KvPullStats, KvSource
-from shared.engine.request import FinishReason, SamplingParams
+from shared.engine.request import FinishReason, SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class PrefillResult:
     num_prompt_tokens: int
     finish_reason: FinishReason | None = None
     handle: KvHandle | None = None
+    first_token_logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class DecodeChunk:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     kv_pull: KvPullStats | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id, when asked for
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,10 @@ import torch
 
 from shared.engine.kv_transfer.connector import KVConnectorBase
 from shared.engine.model.attention import AttentionMetadata, OutputRows, SequenceSpan
+from shared.engine.grammar import allocate_bitmask, allowed_from_bitmask
 from shared.engine.model.loader import LoadedModel
 from shared.engine.model.paged_decode import paged_decode_available
-from shared.engine.model.sampler import prompt_logprobs, sample
+from shared.engine.model.sampler import RowHistory, output_logprobs, prompt_logprobs, sample
 from shared.engine.model.spec_decode import NgramProposer
 from shared.engine.request import SamplingParams
 from shared.engine.sched.output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
@@ -31,6 +32,9 @@ class _RequestState:
     seed: int  # the request's seed, or one the runner drew for it (so its samples stay batch-independent)
     block_ids: list[int]
     num_computed_tokens: int
+    output_start: int  # index in token_ids of the first output token (penalties count from it)
+    stop_token_ids: frozenset[int]  # EOS (unless ignored) and the stop tokens: what min_tokens holds back
+    structured_output_request: object | None = None
 
 
 @dataclass
@@ -47,8 +51,10 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, *,
                  num_speculative_tokens: int = 0, ngram_min: int = 1, ngram_max: int = 3,
                  connector: KVConnectorBase | None = None, max_model_len: int | None = None, seed: int = 0,
-                 device: torch.device | str = "cpu"):
-        """device: where the KV pool and every input live; the model must already be there."""
+                 device: torch.device | str = "cpu", eos_token_ids: tuple[int, ...] = ()):
+        """device: where the KV pool and every input live; the model must already be there.
+        eos_token_ids: held back (with each request's stop tokens) until the request's min_tokens."""
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.device = torch.device(device)
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
@@ -112,6 +118,9 @@ class ModelRunner:
                 token_ids=list(new.prefill_token_ids), num_prompt_tokens=len(new.prompt_token_ids),
                 sampling_params=params, seed=seed, block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                output_start=len(new.prompt_token_ids) - new.num_prior_output_tokens,
+                stop_token_ids=self._stop_token_ids(params),
+                structured_output_request=new.structured_output_request,
             )
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -123,6 +132,12 @@ class ModelRunner:
             if cached.new_token_ids[i]:
                 state.token_ids.extend(cached.new_token_ids[i])
             state.num_computed_tokens = cached.num_computed_tokens[i]
+
+    def _stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        return frozenset(stop_ids)
 
     def _schedule(self, so: SchedulerOutput) -> list[_ScheduledRequest]:
         scheduled = []
@@ -157,14 +172,16 @@ class ModelRunner:
         scheduled = self._schedule(so)
         sampled: dict[str, list[int]] = {}
         prompt_lps: dict[str, list] = {}
+        sampled_lps: dict[str, list] = {}
         if scheduled:
-            sampled, prompt_lps = self._run(scheduled)
+            sampled, prompt_lps, sampled_lps = self._run(scheduled)
         req_ids = [r.req_id for r in scheduled]
         output = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
             sampled_token_ids=[sampled.get(req_id, []) for req_id in req_ids],
             prompt_logprobs_dict=prompt_lps,
+            logprobs=sampled_lps,
         )
         if self.proposer is not None:
             output.spec_token_ids = [self._propose(r) if r.req_id in sampled else [] for r in scheduled]
@@ -180,7 +197,7 @@ class ModelRunner:
             invalid_block_ids=set(self.connector.get_block_ids_with_load_errors()),
         )
 
-    def _run(self, scheduled: list[_ScheduledRequest]) -> tuple[dict[str, list[int]], dict[str, list]]:
+    def _run(self, scheduled: list[_ScheduledRequest]) -> tuple[dict[str, list[int]], dict[str, list], dict[str, list]]:
         input_ids, positions, slots = [], [], []
         bs = self.block_size
         for r in scheduled:
@@ -198,9 +215,9 @@ class ModelRunner:
         output_rows, hidden_rows = self._output_rows(scheduled, meta, logit_rows)
         hidden = self.model(ids_t, pos_t, self.layer_kv, meta, output_rows)
         if not logit_rows:
-            return {}, {}
+            return {}, {}, {}
         logits = self.model.compute_logits(hidden[self._ids(hidden_rows)])
-        sampled = self._sample(scheduled, logits, sample_slices)
+        sampled, sampled_lps = self._sample(scheduled, logits, sample_slices)
         lps = {}
         for r in scheduled:
             if r.req_id in prompt_slices:
@@ -208,7 +225,7 @@ class ModelRunner:
                 targets = self._ids(r.state.token_ids[start + 1:start + 1 + count])
                 lps[r.req_id] = prompt_logprobs(logits[first:first + count], targets,
                                                 r.state.sampling_params.prompt_logprobs)
-        return sampled, lps
+        return sampled, lps, sampled_lps
 
     def _select_logit_rows(self, scheduled: list[_ScheduledRequest]):
         """Rows to turn into logits: the last (drafts + 1) rows of a sampling request, and the rows that
@@ -309,9 +326,32 @@ class ModelRunner:
         mask.masked_fill_(invalid, float("-inf"))
         return mask.view(len(context_lens), 1, 1, -1)
 
+    def _history(self, r: _ScheduledRequest, allowed: torch.Tensor | None) -> RowHistory | None:
+        """Only requests whose logits are processed need one; they never carry drafts (see _propose)."""
+        state, params = r.state, r.state.sampling_params
+        if not params.processes_logits:
+            return None
+        num_sampled = len(state.token_ids) - state.num_prompt_tokens
+        return RowHistory(state.token_ids, state.output_start, num_sampled, state.stop_token_ids, allowed)
+
+    def _grammar_masks(self, scheduled: list[_ScheduledRequest], sample_slices) -> dict[str, torch.Tensor]:
+        """req_id -> bool [V] of the tokens its grammar allows next, unpacked for all requests at once."""
+        grammars = {
+            r.req_id: r.state.structured_output_request.grammar for r in scheduled
+            if r.req_id in sample_slices and r.state.structured_output_request is not None
+        }
+        if not grammars:
+            return {}
+        bitmask = allocate_bitmask(len(grammars), self.config.vocab_size)
+        for row, grammar in enumerate(grammars.values()):
+            grammar.fill_bitmask(bitmask, row)
+        allowed = allowed_from_bitmask(bitmask, self.config.vocab_size).to(self.device)
+        return dict(zip(grammars, allowed))
+
     def _sample(self, scheduled: list[_ScheduledRequest], logits: torch.Tensor,
-                sample_slices: dict[str, tuple[int, int]]) -> dict[str, list[int]]:
-        rows, params, seeds, positions = [], [], [], []
+                sample_slices: dict[str, tuple[int, int]]) -> tuple[dict[str, list[int]], dict[str, list]]:
+        masks = self._grammar_masks(scheduled, sample_slices)
+        rows, params, seeds, positions, histories = [], [], [], [], []
         for r in scheduled:
             if r.req_id not in sample_slices:
                 continue
@@ -323,14 +363,24 @@ class ModelRunner:
                 params.append(r.state.sampling_params)
                 seeds.append(r.state.seed)
                 positions.append(next_pos + j)
-        tokens = sample(logits.index_select(0, self._ids(rows)), params, seeds, positions)
+                histories.append(self._history(r, masks.get(r.req_id)))
+        row_logits = logits.index_select(0, self._ids(rows))
+        tokens = sample(row_logits, params, seeds, positions, histories)
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        row_lps = {}
+        if lp_rows:
+            picked = row_logits.index_select(0, self._ids(lp_rows))
+            entries = output_logprobs(picked, [tokens[i] for i in lp_rows], [params[i].logprobs for i in lp_rows])
+            row_lps = dict(zip(lp_rows, entries))
         out: dict[str, list[int]] = {}
+        out_lps: dict[str, list] = {}
         i = 0
         for r in scheduled:
             if r.req_id not in sample_slices:
                 continue
             k = sample_slices[r.req_id][1]
             candidates = tokens[i:i + k]
+            first_row = i
             i += k
             # Verification: a draft stands while the model (greedy or seeded) picks that very token, so
             # speculation never changes the output; the first disagreement is the bonus token.
@@ -341,10 +391,14 @@ class ModelRunner:
                     break
             r.state.token_ids.extend(accepted)
             out[r.req_id] = accepted
-        return out
+            if first_row in row_lps:
+                out_lps[r.req_id] = [row_lps[first_row + j] for j in range(len(accepted))]
+        return out, out_lps
 
     def _propose(self, r: _ScheduledRequest) -> list[int]:
         state = r.state
+        if state.sampling_params.processes_logits:
+            return []  # a draft's logits would need the history (and grammar state) of the drafts before it
         num_output = len(state.token_ids) - state.num_prompt_tokens
         # Drafts past max_tokens or the model length could never be kept.
         room = min(state.sampling_params.max_tokens - num_output, self.max_model_len - len(state.token_ids)) - 1

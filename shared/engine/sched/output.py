@@ -23,6 +23,9 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]  # the whole block table (one KV-cache group)
     num_computed_tokens: int  # tokens whose KV is already in those blocks
+    # Trailing prompt tokens that are output of an earlier engine (a continued request).
+    num_prior_output_tokens: int = 0
+    structured_output_request: Any = None  # its grammar masks the logits of every sampled token
 
 
 @dataclass
@@ -81,7 +84,7 @@ class ModelRunnerOutput:
     req_id_to_index: dict[str, int]
     # Per request: sampled tokens (empty for a partial prefill; more than one after accepted drafts).
     sampled_token_ids: list[list[int]]
-    logprobs: Any = None
+    logprobs: dict[str, Any] = field(default_factory=dict)  # req_id -> list[TokenLogprobs] of its sampled tokens
     prompt_logprobs_dict: dict[str, Any] = field(default_factory=dict)
     pooler_output: list[Any] = field(default_factory=list)
     # Draft tokens proposed for the next step, per request (None when speculation is off).
@@ -100,6 +103,7 @@ class EngineCoreOutput:
     # Set when the finished request was handed off: its KV is held for a peer, which pulls it with this handle.
     kv_handle: Any = None
     new_prompt_logprobs: Any = None
+    new_logprobs: Any = None  # list[TokenLogprobs], one per new token, when the request asked for logprobs
 
     @property
     def finished(self) -> bool:

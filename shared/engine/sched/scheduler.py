@@ -357,6 +357,8 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=kv.get_block_ids(req_id),
                 num_computed_tokens=num_computed,
+                num_prior_output_tokens=request.num_prior_output_tokens,
+                structured_output_request=request.structured_output_request,
             )
         )
         self._commit(plan, request, num_computed, num_new, encoder_indices, 0)
@@ -458,6 +460,7 @@ class Scheduler:
         spec_all = model_runner_output.spec_token_ids
         index_of = model_runner_output.req_id_to_index
         prompt_logprobs = model_runner_output.prompt_logprobs_dict
+        sampled_logprobs = model_runner_output.logprobs
         spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
         spec_stats: SpecDecodingStats | None = None
         requests = self.requests
@@ -493,17 +496,20 @@ class Scheduler:
             if spec_all is not None and index is not None and not self.is_async:
                 request.spec_token_ids = list(spec_all[index] or ())
             plp = prompt_logprobs.get(req_id) if prompt_logprobs else None
+            lps = sampled_logprobs.get(req_id) if sampled_logprobs and new_tokens else None
+            if lps is not None:
+                lps = lps[:len(new_tokens)]
             if request.status != _RUNNING:
                 finished_now.add(req_id)
                 request.spec_token_ids = []
                 kv_handle = self._free_request(request)
                 outputs.append(
                     EngineCoreOutput(
-                        req_id, new_tokens, request.get_finished_reason(), request.stop_reason, kv_handle, plp
+                        req_id, new_tokens, request.get_finished_reason(), request.stop_reason, kv_handle, plp, lps
                     )
                 )
             elif new_tokens or plp is not None:
-                outputs.append(EngineCoreOutput(req_id, new_tokens, None, None, None, plp))
+                outputs.append(EngineCoreOutput(req_id, new_tokens, None, None, None, plp, lps))
 
         if finished_now:
             self.running = [r for r in self.running if r.request_id not in finished_now]

@@ -1,0 +1,95 @@
+"""Grammars for structured output, compiled with llguidance: JSON schema, any JSON object, regex, Lark.
+
+A Grammar is what the scheduler's structured-output hook advances with each sampled token and what the
+runner asks for the tokens allowed next. llguidance computes the next-token mask on the CPU in tens of
+microseconds and needs nothing but the tokenizer's JSON.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+from llguidance import LLMatcher, LLTokenizer
+
+from shared.engine.request import StructuredOutputSpec
+
+# Compact JSON (no optional whitespace): a model cannot wander off into endless blanks.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """int32 [num_rows, ceil(vocab/32)]: bit b of word w is token 32w + b (llguidance's layout)."""
+    return torch.empty(num_rows, (vocab_size + 31) // 32, dtype=torch.int32)
+
+
+def allowed_from_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [num_rows, vocab_size], unpacked for every row at once."""
+    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1
+    return bits.flatten(1)[:, :vocab_size].bool()
+
+
+class Grammar:
+    """One request's matcher. Not thread-safe: the engine thread alone uses it."""
+
+    def __init__(self, matcher: LLMatcher, eos_token_ids: frozenset[int]):
+        self._matcher = matcher
+        self._eos_token_ids = eos_token_ids
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        """Advance over tokens; False (and the matcher stays in error) when the grammar rejects them."""
+        for token in tokens:
+            if token in self._eos_token_ids and self._matcher.is_stopped():
+                continue  # a complete output allows only EOS, which the matcher no longer consumes
+            if not self._matcher.consume_token(token):
+                return False
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Writes the tokens the grammar accepts next (only EOS once it is complete) into bitmask[row]."""
+        self._matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), bitmask.stride(0) * bitmask.element_size())
+
+    def allowed_tokens(self, vocab_size: int) -> torch.Tensor:
+        """bool [vocab_size]: the tokens the grammar accepts next."""
+        bitmask = allocate_bitmask(1, vocab_size)
+        self.fill_bitmask(bitmask, 0)
+        return allowed_from_bitmask(bitmask, vocab_size)[0]
+
+    @property
+    def error(self) -> str | None:
+        return self._matcher.get_error() if self._matcher.is_error() else None
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputSpecs against one tokenizer (a tokenizers.Tokenizer)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...] | list[int]):
+        if not eos_token_ids:
+            raise ValueError("structured output needs an end-of-sequence token to end a complete output")
+        self._tokenizer = LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self._eos_token_ids = frozenset(eos_token_ids)
+
+    def compile(self, spec: StructuredOutputSpec) -> Grammar:
+        """ValueError naming the problem when the schema, regex or grammar is not valid."""
+        try:
+            grammar = self._grammar_text(spec)
+        except ValueError as exc:
+            raise ValueError(f"structured output: {exc}") from None
+        matcher = LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured output: {matcher.get_error()}")
+        return Grammar(matcher, self._eos_token_ids)
+
+    @staticmethod
+    def _grammar_text(spec: StructuredOutputSpec) -> str:
+        if spec.json_schema is not None:
+            try:
+                schema = json.loads(spec.json_schema)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"json_schema is not valid JSON: {exc}") from None
+            return LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        if spec.json_object:
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+        if spec.regex is not None:
+            return LLMatcher.grammar_from_regex(spec.regex)
+        return LLMatcher.grammar_from_lark(spec.grammar)
