@@ -10,7 +10,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.launcher import HOST, ServiceProcess, free_port, start_service, wait_serving
+from pdserve.launcher import HOST, ServiceProcess, free_port, new_cluster_env, start_service, wait_serving
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 320
@@ -43,6 +43,9 @@ class Member:
 class FaultCluster:
     log_dir: Path
     members: dict[str, Member] = field(default_factory=dict)
+    # One KV-handle key for the whole cluster, restarts included: a restarted pod must keep verifying
+    # (and signing) handles the others accept.
+    env: dict[str, str] = field(default_factory=new_cluster_env)
 
     @classmethod
     def start(cls, log_dir: Path) -> "FaultCluster":
@@ -75,7 +78,7 @@ class FaultCluster:
         member.is_ready = False
         log_name = name if member.num_starts == 1 else f"{name}.{member.num_starts}"
         member.process = start_service(log_name, member.module, member.args, address=member.address,
-                                       log_dir=self.log_dir)
+                                       log_dir=self.log_dir, env=self.env)
 
     def address(self, name: str) -> str:
         return self.members[name].address
