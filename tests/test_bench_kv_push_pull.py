@@ -22,9 +22,9 @@ def test_tiny_cpu_run_reports_every_way_of_every_case(tmp_path):
     bench.main(["--device", "cpu", "--tokens", "16", "48", "--layers", "2", "--repeats", "2", "--json", str(path)])
     report = json.loads(path.read_text())
     assert report["device"] == "cpu" and report["nixl_module"] in ("nixl_cu12", "nixl_cu13")
-    assert [row["case"] for row in report["rows"]] == ["16 tokens", "48 tokens", "raw 64 MiB"]
-    assert [row["num_bytes"] for row in report["rows"]] == [4 * 32 * 1024, 3 * 4 * 32 * 1024, 64 << 20]
-    assert report["rows"][-1]["num_descriptors"] == 1
+    assert [row["case"] for row in report["rows"]] == ["raw 64 MiB", "16 tokens", "48 tokens"]
+    assert [row["num_bytes"] for row in report["rows"]] == [64 << 20, 4 * 32 * 1024, 3 * 4 * 32 * 1024]
+    assert [row["num_descriptors"] for row in report["rows"]] == [1, 4, 4]
     for row in report["rows"]:
         for way in ("read", "read_notif", "write", "write_notif"):
             assert len(row[way]["seconds"]) == 2
