@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from colocated_svc.servicer import ColocatedServicer
+from shared.engine.request import MAX_LOGPROBS, MAX_N
 from shared.serving.http_api import HttpFront, HttpServer
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.pod_runtime import Pod, PodConfig, serving_cache_config, serving_scheduler_config
@@ -140,7 +141,10 @@ def test_colocated_errors_are_openai_shaped_with_the_right_status():
         async with colocated_http() as (client, pod, url):
             cases = [
                 (dict(model="tiny", prompt=PROMPT, max_tokens=0), openai.BadRequestError, "max_tokens"),
-                (dict(model="tiny", prompt=PROMPT, n=2), openai.BadRequestError, "'n'"),
+                (dict(model="tiny", prompt=PROMPT, n=MAX_N + 1), openai.BadRequestError, "n must be"),
+                (dict(model="tiny", prompt=PROMPT, logprobs=MAX_LOGPROBS + 1), openai.BadRequestError,
+                 f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+                (dict(model="tiny", prompt=PROMPT, extra_body={"best_of": 2}), openai.BadRequestError, "'best_of'"),
                 (dict(model="tiny", prompt=[1, 2, 4096]), openai.BadRequestError, "out of vocabulary"),
                 (dict(model="tiny", prompt=[5] * MAX_MODEL_LEN), openai.BadRequestError, "maximum length"),
                 (dict(model="tiny", prompt=PROMPT, temperature=-1), openai.BadRequestError, "temperature"),
