@@ -205,7 +205,8 @@ def test_colocated_http_request_is_one_trace_with_the_pods_stage_spans():
             async with colocated_http(tracing) as (client, pod, url):
                 chat = await client.chat.completions.create(
                     model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2, stream=True,
-                    extra_body={"ignore_eos": True}, extra_headers={"traceparent": f"00-{trace_id}-{client_span_id}-01"})
+                    extra_body={"ignore_eos": True},
+                    extra_headers={"traceparent": f"00-{trace_id}-{client_span_id}-01"})
                 assert {chunk.choices[0].index async for chunk in chat} == {0, 1}
                 async with httpx.AsyncClient() as http:  # probes are not traced
                     assert (await http.get(f"{url}/health")).status_code == 200

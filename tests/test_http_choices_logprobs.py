@@ -111,12 +111,14 @@ def _check_shape(endpoint: str, kwargs: dict, result: dict) -> None:
             # vLLM's completions logprobs: the chosen token, then the most likely ones; offsets add up.
             assert all(top[0] == (token, value) and len(top) <= TOP + 1
                        for token, value, top in zip(choice["tokens"], choice["logprobs"], choice["tops"]))
-            assert choice["offsets"] == [sum(len(t) for t in choice["tokens"][:i]) for i in range(len(choice["tokens"]))]
+            tokens = choice["tokens"]
+            assert choice["offsets"] == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
         else:
             assert all(len(top) == kwargs["top_logprobs"] for top in choice["tops"])
             assert all([v for _, v in top] == sorted((v for _, v in top), reverse=True) for top in choice["tops"])
         if kwargs["temperature"] == 0:  # greedy: the chosen token is the most likely one
-            assert all(math.isclose(value, max(v for _, v in top)) for value, top in zip(choice["logprobs"], choice["tops"]))
+            assert all(math.isclose(value, max(v for _, v in top))
+                       for value, top in zip(choice["logprobs"], choice["tops"]))
 
 
 def _assert_same(split: dict, whole: dict) -> None:

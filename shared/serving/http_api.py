@@ -21,9 +21,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from proto.pdserve.v1 import generate_pb2
+from shared.engine.request import FinishReason, TokenLogprobs
 from shared.serving import convert, openai_protocol as oai
 from shared.serving.chat_template import ChatTemplateError
-from shared.engine.request import FinishReason, TokenLogprobs
 from shared.serving.outcomes import InvalidRequest
 from shared.serving.settings import setting
 from shared.serving.telemetry import HttpTracingMiddleware
@@ -153,12 +153,12 @@ class _Response:
         self._choices: dict[int, _Choice] = {}
         self._num_prompt_tokens = 0
 
-    def _take(self, chunk: generate_pb2.GenerateResponse) -> tuple[_Choice, list[TokenLogprobs], FinishReason | None]:
+    def _choice_of(self, chunk: generate_pb2.GenerateResponse) -> _Choice:
+        """The chunk's choice, its token count brought up to date."""
         choice = self._choices.setdefault(chunk.index, _Choice(chunk.index))
         choice.num_output_tokens = chunk.num_output_tokens
         self._num_prompt_tokens = chunk.num_prompt_tokens  # the same prompt for every choice
-        return choice, [convert.token_logprobs_from_proto(e) for e in chunk.logprobs], \
-            convert.finish_reason_from_proto(chunk.finish_reason)
+        return choice
 
     def _logprobs(self, choice: _Choice, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
         if not self._wants_logprobs:
@@ -170,8 +170,9 @@ class _Response:
 
     def streamed(self, chunk: generate_pb2.GenerateResponse) -> dict[str, Any]:
         """The stream event of one chunk: its choice, by index (chat: the role with the choice's first)."""
-        choice, entries, finish = self._take(chunk)
-        logprobs = self._logprobs(choice, entries)
+        choice = self._choice_of(chunk)
+        finish = convert.finish_reason_from_proto(chunk.finish_reason)
+        logprobs = self._logprobs(choice, _token_logprobs(chunk))
         if self.is_chat:
             delta = {"content": chunk.text} if chunk.text or not choice.has_started else {}
             if not choice.has_started:
@@ -183,10 +184,10 @@ class _Response:
         return {**self.ids.envelope(self._object(chunk=True)), "choices": [dressed]}
 
     def collect(self, chunk: generate_pb2.GenerateResponse) -> None:
-        choice, entries, finish = self._take(chunk)
+        choice = self._choice_of(chunk)
         choice.text += chunk.text
-        choice.logprobs.extend(entries)
-        choice.finish = finish or choice.finish
+        choice.logprobs.extend(_token_logprobs(chunk))
+        choice.finish = convert.finish_reason_from_proto(chunk.finish_reason) or choice.finish
 
     def whole(self) -> dict[str, Any]:
         """The response of everything collected: every choice in index order, and the usage."""
@@ -206,6 +207,10 @@ class _Response:
         if self.is_chat:
             return "chat.completion.chunk" if chunk else "chat.completion"
         return "text_completion"
+
+
+def _token_logprobs(chunk: generate_pb2.GenerateResponse) -> list[TokenLogprobs]:
+    return [convert.token_logprobs_from_proto(entry) for entry in chunk.logprobs]
 
 
 class HttpFront:
