@@ -178,10 +178,6 @@ def _logprobs_count(name: str, value: Any) -> int:
     return value
 
 
-def max_tokens_given(body: dict[str, Any]) -> bool:
-    return body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
-
-
 def check_fields(body: dict[str, Any], endpoint_fields: tuple[str, ...]) -> None:
     """InvalidRequest naming the first field that is unknown or not supported yet."""
     known = (*SAMPLING_FIELDS, *INFORMATIONAL_FIELDS, *_REQUEST_FIELDS, *endpoint_fields)
