@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP front (Starlette on uvicorn, in the gRPC server's process and event loop):
-/v1/completions, /v1/chat/completions (SSE streaming or not), /v1/models, /health and /metrics. Requests
-go through the same in-process Generate path as gRPC calls; a client that hangs up cancels its request."""
+/v1/completions, /v1/chat/completions (SSE streaming or not; n choices, logprobs), /v1/models, /health and
+/metrics. Requests go through the same in-process Generate path as gRPC calls, each in one trace under an
+HTTP server span; a client that hangs up cancels its request."""
 from __future__ import annotations
 
 import asyncio
