@@ -57,6 +57,7 @@ def http_server(
         is_ready=lambda: servicer.pod is not None and not servicer.is_draining,
         max_model_len=lambda: servicer.pod.max_model_len if servicer.pod is not None else None,
         api_key=api_token,
+        tracer=lambda: servicer.tracing.tracer,  # run_pod hands the servicer its tracing
     )
     return HttpServer(front.app, args.host, http.http_port)
 

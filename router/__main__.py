@@ -91,7 +91,7 @@ async def run(
         front = HttpFront(
             servicer.Generate, model_name=served_model_name(config), codec=lambda: codec,
             registry=registry, is_ready=lambda: prefill.has_healthy and decode.has_healthy,
-            max_model_len=lambda: servicer.max_model_len, api_key=api_token,
+            max_model_len=lambda: servicer.max_model_len, api_key=api_token, tracer=lambda: tracing.tracer,
         )
         http = HttpServer(front.app, config.host, config.http.http_port)
         server.on_shutdown(http.stop)

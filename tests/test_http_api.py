@@ -15,10 +15,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from colocated_svc.servicer import ColocatedServicer
+from shared.engine.request import MAX_LOGPROBS, MAX_N
 from shared.serving.http_api import HttpFront, HttpServer
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.pod_runtime import Pod, PodConfig, serving_cache_config, serving_scheduler_config
+from shared.serving.telemetry import Tracing, TracingConfig, setup_tracing
 from shared.serving.text import TextCodec
+from tests.otlp_receiver import OtlpReceiver, children_of
 
 pytestmark = pytest.mark.e2e
 
@@ -28,8 +31,9 @@ PROMPT = "The router streams tokens from the decode pod"
 
 
 @contextlib.asynccontextmanager
-async def colocated_http():
-    """A colocated pod (tiny, with its preset tokenizer) behind the HTTP front; yields (client, pod, url)."""
+async def colocated_http(tracing: Tracing | None = None):
+    """A colocated pod (tiny, with its preset tokenizer) behind the HTTP front; yields (client, pod, url).
+    tracing: the service's tracing, when traced."""
     pod = Pod(None, PodConfig(
         model="tiny",
         scheduler=dataclasses.replace(serving_scheduler_config(), max_model_len=MAX_MODEL_LEN),
@@ -39,8 +43,12 @@ async def colocated_http():
     codec = TextCodec.from_path("tiny")
     servicer = ColocatedServicer(ServiceMetrics(), tokenizer=codec.tokenizer)
     servicer.attach(pod)
+    if tracing is not None:
+        servicer.use_tracing(tracing)
+        pod.loop.is_timing_requests = True  # the timelines feed the stage spans
     front = HttpFront(servicer.Generate, model_name="tiny", codec=lambda: codec, registry=servicer.metrics.registry,
-                      is_ready=lambda: True, max_model_len=lambda: pod.max_model_len)
+                      is_ready=lambda: True, max_model_len=lambda: pod.max_model_len,
+                      tracer=lambda: servicer.tracing.tracer)
     server = HttpServer(front.app, "127.0.0.1", 0)
     await server.start()
     try:
@@ -140,7 +148,10 @@ def test_colocated_errors_are_openai_shaped_with_the_right_status():
         async with colocated_http() as (client, pod, url):
             cases = [
                 (dict(model="tiny", prompt=PROMPT, max_tokens=0), openai.BadRequestError, "max_tokens"),
-                (dict(model="tiny", prompt=PROMPT, n=2), openai.BadRequestError, "'n'"),
+                (dict(model="tiny", prompt=PROMPT, n=MAX_N + 1), openai.BadRequestError, "n must be"),
+                (dict(model="tiny", prompt=PROMPT, logprobs=MAX_LOGPROBS + 1), openai.BadRequestError,
+                 f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+                (dict(model="tiny", prompt=PROMPT, extra_body={"best_of": 2}), openai.BadRequestError, "'best_of'"),
                 (dict(model="tiny", prompt=[1, 2, 4096]), openai.BadRequestError, "out of vocabulary"),
                 (dict(model="tiny", prompt=[5] * MAX_MODEL_LEN), openai.BadRequestError, "maximum length"),
                 (dict(model="tiny", prompt=PROMPT, temperature=-1), openai.BadRequestError, "temperature"),
@@ -182,6 +193,38 @@ def test_colocated_client_hang_up_aborts_and_frees_blocks(stream):
             assert _count(metrics, "cancelled") == 1 and _count(metrics, "ok") == 0
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(120)
+def test_colocated_http_request_is_one_trace_with_the_pods_stage_spans():
+    trace_id, client_span_id = "6e0c63257de34c92bf9efcd03927272e", "00f067aa0ba902b7"
+
+    async def scenario(receiver: OtlpReceiver):
+        tracing = setup_tracing(TracingConfig("pdserve-colocated", otlp_endpoint=receiver.endpoint))
+        try:
+            async with colocated_http(tracing) as (client, pod, url):
+                chat = await client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2, stream=True,
+                    extra_body={"ignore_eos": True},
+                    extra_headers={"traceparent": f"00-{trace_id}-{client_span_id}-01"})
+                assert {chunk.choices[0].index async for chunk in chat} == {0, 1}
+                async with httpx.AsyncClient() as http:  # probes are not traced
+                    assert (await http.get(f"{url}/health")).status_code == 200
+        finally:
+            tracing.shutdown()  # exports everything
+
+    with OtlpReceiver() as receiver:
+        asyncio.run(scenario(receiver))
+        assert receiver.wait_for(lambda spans: len(spans) >= 5, timeout=10)
+        spans = receiver.spans()
+    assert {span.trace_id for span in spans} == {trace_id}
+    [root] = [span for span in spans if span.name == "POST /v1/chat/completions"]
+    assert root.kind == "SERVER" and root.parent_span_id == client_span_id
+    assert root.attributes["http.response.status_code"] == 200
+    # Both choices' queue and compute spans hang under the HTTP span; they end before it does.
+    stages = sorted(span.name for span in children_of(spans, root))
+    assert stages == ["colocated", "colocated", "colocated-queue", "colocated-queue"]
+    assert all(span.end_time_ns <= root.end_time_ns for span in spans)
 
 
 def _count(metrics_text: str, outcome: str) -> float:

@@ -9,7 +9,7 @@ import pytest
 
 from shared.engine.model.model_config import PRESETS
 from shared.engine.model.preset_files import preset_tokenizer_dir
-from shared.engine.request import SamplingParams, StructuredOutputSpec
+from shared.engine.request import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputSpec, TokenLogprobs
 from shared.serving import openai_protocol as oai
 from shared.serving.chat_template import ChatTemplate, ChatTemplateError
 from shared.serving.outcomes import InvalidRequest
@@ -70,10 +70,68 @@ def test_sampling_options_map_onto_sampling_params():
 
 def test_unsupported_and_unknown_fields_are_refused_but_neutral_values_pass():
     oai.check_fields({"prompt": "x", "n": 1, "stop": None, "presence_penalty": 0, "user": "me"}, ("prompt",))
-    for body, needle in (({"n": 2}, "'n' is not supported"), ({"top_logprobs": 2}, "'top_logprobs'"),
-                         ({"logprobs": 2}, "'logprobs'"), ({"frobnicate": 1}, "unknown field 'frobnicate'")):
+    for body, needle in (({"best_of": 2}, "'best_of' is not supported"), ({"echo": True}, "'echo'"),
+                         ({"frobnicate": 1}, "unknown field 'frobnicate'")):
         with pytest.raises(InvalidRequest, match=needle):
             oai.check_fields({"prompt": "x", **body}, ("prompt",))
+
+
+def test_n_and_logprobs_map_onto_sampling_params_per_endpoint():
+    assert oai.sampling_params_from_openai({"n": 3}).n == 3
+    assert oai.sampling_params_from_openai({"logprobs": 2}).logprobs == 2
+    assert oai.sampling_params_from_openai({"logprobs": 0}).logprobs == 0
+    assert oai.sampling_params_from_openai({}).logprobs is None
+    chat = lambda body: oai.sampling_params_from_openai(body, is_chat=True).logprobs  # noqa: E731
+    assert chat({"logprobs": True, "top_logprobs": 5}) == 5
+    assert chat({"logprobs": True}) == 0  # the chosen token's logprob only
+    assert chat({"logprobs": False}) is None and chat({"logprobs": False, "top_logprobs": 0}) is None
+    assert chat({}) is None
+    # The engine's one limit on the number of logprobs bounds both endpoints' fields.
+    for body, is_chat, needle in (
+        ({"logprobs": MAX_LOGPROBS + 1}, False, f"logprobs must be in \\[0, {MAX_LOGPROBS}\\]"),
+        ({"logprobs": -1}, False, "logprobs must be in"),
+        ({"logprobs": True}, False, "logprobs must be an integer"),
+        ({"logprobs": True, "top_logprobs": MAX_LOGPROBS + 1}, True, "top_logprobs must be in"),
+        ({"logprobs": True, "top_logprobs": -1}, True, "top_logprobs must be in"),
+        ({"top_logprobs": 2}, True, "top_logprobs needs logprobs: true"),
+        ({"logprobs": 3}, True, "logprobs must be true or false"),
+        ({"n": 0}, False, "n must be"),
+        ({"n": MAX_N + 1}, False, "n must be"),
+    ):
+        with pytest.raises(InvalidRequest, match=needle):
+            oai.sampling_params_from_openai(body, is_chat=is_chat)
+
+
+def test_max_tokens_defaults():
+    assert oai.sampling_params_from_openai({}).max_tokens == oai.COMPLETIONS_DEFAULT_MAX_TOKENS == 16
+    assert oai.sampling_params_from_openai({}, is_chat=True, default_max_tokens=300).max_tokens == 300
+    assert oai.sampling_params_from_openai({"max_tokens": 5}, default_max_tokens=300).max_tokens == 5
+
+
+def _token_texts(ids):
+    return [{7: "ab", 8: "c", 9: "é", 10: "d"}[i] for i in ids]
+
+
+def test_completion_logprobs_as_vllm_writes_them():
+    entries = [TokenLogprobs(7, -0.5, ((7, -0.5), (8, -1.5))), TokenLogprobs(9, float("-inf"), ((10, -0.1),))]
+    logprobs, offset = oai.completion_logprobs(entries, _token_texts, text_offset=3)
+    assert logprobs == {
+        "tokens": ["ab", "é"],
+        "token_logprobs": [-0.5, oai.MIN_LOGPROB],
+        # The chosen token first, then the most likely ones.
+        "top_logprobs": [{"ab": -0.5, "c": -1.5}, {"é": oai.MIN_LOGPROB, "d": -0.1}],
+        "text_offset": [3, 5],
+    }
+    assert offset == 6
+
+
+def test_chat_logprobs_as_openai_writes_them():
+    entries = [TokenLogprobs(9, -0.25, ((10, -0.1), (9, -0.25)))]
+    assert oai.chat_logprobs(entries, _token_texts) == {"content": [{
+        "token": "é", "logprob": -0.25, "bytes": [0xC3, 0xA9],
+        "top_logprobs": [{"token": "d", "logprob": -0.1, "bytes": [100]},
+                         {"token": "é", "logprob": -0.25, "bytes": [0xC3, 0xA9]}],
+    }]}
 
 
 def test_prompts_as_vllm_takes_them():

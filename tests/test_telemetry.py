@@ -376,3 +376,43 @@ def test_metrics_scraped_over_http_move_as_recorded() -> None:
     with pytest.raises(OSError):
         urllib.request.urlopen(server.url, timeout=2)
     server.stop()  # idempotent
+
+
+def test_http_middleware_spans_traced_routes_only_and_marks_server_errors() -> None:
+    """The HTTP front's middleware: a SERVER span per traced route, continuing a traceparent header;
+    the span is current in the handler; a 5xx marks it failed, a 4xx does not; other paths go untraced."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from shared.serving.telemetry import HttpTracingMiddleware
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    seen_in_handler = []
+
+    async def answer(request):
+        seen_in_handler.append(trace.get_current_span().get_span_context().span_id)
+        return Response(status_code=int(request.query_params.get("status", 200)))
+
+    app = Starlette(routes=[Route("/traced", answer, methods=["POST"]), Route("/probe", answer)])
+    traced = HttpTracingMiddleware(app, lambda: provider.get_tracer("test"), traced_paths=("/traced",))
+    trace_id, parent_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    with TestClient(traced) as client:
+        client.post("/traced", headers={"traceparent": f"00-{trace_id}-{parent_id}-01"})
+        client.post("/traced?status=503")
+        client.post("/traced?status=400")
+        client.get("/probe")
+    ok, failed, refused = exporter.get_finished_spans()
+    assert ok.name == "POST /traced" and ok.kind.name == "SERVER"
+    assert format(ok.context.trace_id, "032x") == trace_id and format(ok.parent.span_id, "016x") == parent_id
+    assert seen_in_handler[0] == ok.context.span_id
+    assert ok.attributes["http.response.status_code"] == 200 and ok.status.status_code.name == "UNSET"
+    assert failed.parent is None and failed.status.status_code.name == "ERROR"
+    assert refused.attributes["http.response.status_code"] == 400 and refused.status.status_code.name == "UNSET"

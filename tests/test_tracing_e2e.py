@@ -7,6 +7,7 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import openai
 import pytest
 
 from pdserve.client import build_generate_request
@@ -32,6 +33,7 @@ PREFILL = "pdserve.v1.PrefillService/Prefill"
 DECODE = "pdserve.v1.DecodeService/Decode"
 RELEASE_KV = "pdserve.v1.PrefillService/ReleaseKv"
 GET_KV_SOURCE = "pdserve.v1.PrefillService/GetKvSource"
+HTTP_COMPLETIONS = "POST /v1/completions"  # the HTTP front's server span (OpenTelemetry's HTTP naming)
 # Every span a pulled request's trace must hold, by (name, kind, service).
 EXPECTED = {
     (GENERATE, "SERVER", "pdserve-router"),
@@ -81,12 +83,17 @@ def _request_spans(spans: list[ReceivedSpan], request_id: str) -> list[ReceivedS
     ]
 
 
-def _trace_complete(spans: list[ReceivedSpan], request_id: str) -> bool:
+def _expected(root: str) -> set[tuple[str, str, str]]:
+    """EXPECTED, for a request that entered the router as `root` (gRPC Generate or an HTTP route)."""
+    return {span for span in EXPECTED if span[0] != GENERATE} | {(root, "SERVER", "pdserve-router")}
+
+
+def _trace_complete(spans: list[ReceivedSpan], request_id: str, root: str = GENERATE) -> bool:
     named = _request_spans(spans, request_id)
     if not named:
         return False
     trace = [span for span in spans if span.trace_id == named[0].trace_id]
-    return EXPECTED <= {(span.name, span.kind, span.service_name) for span in trace}
+    return _expected(root) <= {(span.name, span.kind, span.service_name) for span in trace}
 
 
 def _one(spans: list[ReceivedSpan], name: str, kind: str) -> ReceivedSpan:
@@ -139,10 +146,11 @@ def test_one_trace_per_request_across_router_prefill_transfer_and_decode(traced)
         assert server.service_name == "pdserve-prefill"
 
 
-def _check_tree(trace: list[ReceivedSpan]) -> None:
-    root = _one(trace, GENERATE, "SERVER")
-    assert root.parent_span_id is None
-    assert [span for span in trace if span.parent_span_id is None] == [root]
+def _check_tree(trace: list[ReceivedSpan], root_name: str = GENERATE) -> ReceivedSpan:
+    """The request's span tree under its root (the router's server span), which it returns."""
+    root = _one(trace, root_name, "SERVER")
+    span_ids = {span.span_id for span in trace}
+    assert [span for span in trace if span.parent_span_id not in span_ids] == [root]
     assert root.attributes[SpanAttr.TTFT_S] > 0
     route_prefill = _child(trace, root, "route prefill")
     assert route_prefill.attributes["pdserve.worker"]
@@ -186,6 +194,46 @@ def _check_tree(trace: list[ReceivedSpan]) -> None:
     release = _child(trace, release_client, RELEASE_KV, "SERVER")
     assert release.service_name == "pdserve-prefill" and release.attributes["pdserve.kv.intact"] is True
     assert release.start_time_ns <= hold.end_time_ns <= release.end_time_ns
+    return root
+
+
+def test_one_http_request_is_one_trace_holding_the_http_span_and_the_pods_spans(traced):
+    cluster, receiver = traced
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 4096) for _ in range(40)] for _ in range(2)]
+    with openai.OpenAI(base_url=cluster.router.http_url, api_key="unused", max_retries=0) as client:
+        # The router runs without a tokenizer: its model name is "pdserve", prompts are token ids.
+        whole = client.completions.create(
+            model="pdserve", prompt=prompts[0], max_tokens=6, extra_body={"ignore_eos": True, "request_id": "http-0"},
+            extra_headers={"traceparent": f"00-{trace_id}-{CLIENT_SPAN_ID}-01"})
+        streamed = list(client.completions.create(
+            model="pdserve", prompt=prompts[1], max_tokens=6, stream=True,
+            extra_body={"ignore_eos": True, "request_id": "http-1"}))
+    assert whole.usage.completion_tokens == 6 and streamed[-1].choices[0].finish_reason == "length"
+    request_ids = ["http-0", "http-1"]
+    assert receiver.wait_for(
+        lambda spans: all(_trace_complete(spans, rid, HTTP_COMPLETIONS) for rid in request_ids), timeout=20
+    ), f"incomplete traces; received {sorted({(s.name, s.kind, s.service_name) for s in receiver.spans()})}"
+    spans = receiver.spans()
+    by_trace = receiver.spans_by_trace()
+    roots = {}
+    for request_id in request_ids:
+        named = _request_spans(spans, request_id)
+        assert len({span.trace_id for span in named}) == 1  # router, prefill and decode spans: one trace
+        trace = by_trace[named[0].trace_id]
+        roots[request_id] = root = _check_tree(trace, HTTP_COMPLETIONS)
+        assert root.service_name == "pdserve-router"
+        assert root.attributes["http.request.method"] == "POST"
+        assert root.attributes["http.route"] == "/v1/completions"
+        assert root.attributes["http.response.status_code"] == 200
+        # Generate ran in process: no gRPC server span of its own.
+        assert not [span for span in trace if span.name == GENERATE]
+        # The span lasts until the response's last byte (a stream's too): past the decode pod's compute.
+        assert root.end_time_ns >= _one(trace, "decode", "INTERNAL").end_time_ns
+    # The client's traceparent made the first request part of the client's trace.
+    assert roots["http-0"].trace_id == trace_id and roots["http-0"].parent_span_id == CLIENT_SPAN_ID
+    assert roots["http-1"].parent_span_id is None and roots["http-1"].trace_id != trace_id
 
 
 def test_a_clients_traceparent_is_honoured(traced):

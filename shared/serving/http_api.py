@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP front (Starlette on uvicorn, in the gRPC server's process and event loop):
-/v1/completions, /v1/chat/completions (SSE streaming or not), /v1/models, /health and /metrics. Requests
-go through the same in-process Generate path as gRPC calls; a client that hangs up cancels its request."""
+/v1/completions, /v1/chat/completions (SSE streaming or not; n choices, logprobs), /v1/models, /health and
+/metrics. Requests go through the same in-process Generate path as gRPC calls, each in one trace under an
+HTTP server span; a client that hangs up cancels its request."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +14,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 import uvicorn
+from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -20,10 +22,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from proto.pdserve.v1 import generate_pb2
+from shared.engine.request import FinishReason, TokenLogprobs
 from shared.serving import convert, openai_protocol as oai
 from shared.serving.chat_template import ChatTemplateError
 from shared.serving.outcomes import InvalidRequest
 from shared.serving.settings import setting
+from shared.serving.telemetry import HttpTracingMiddleware
 from shared.serving.text import TextCodec
 
 logger = logging.getLogger(__name__)
@@ -42,6 +46,9 @@ _HTTP_OF_CODE = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
 }
 _SERVER_ERROR = (500, "server_error")
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+_NO_TRACER = trace.NoOpTracer()
 
 
 def _none_if_empty(value: str | None) -> str | None:
@@ -114,26 +121,97 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-class _Shape:
-    """How one endpoint dresses Generate chunks: completions (text) or chat (message/delta)."""
+@dataclass
+class _Choice:
+    """One of the request's n completions, as its chunks arrive."""
 
-    def __init__(self, is_chat: bool, model: str):
+    index: int
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish: FinishReason | None = None
+    num_output_tokens: int = 0
+    text_offset: int = 0  # completions' logprobs: where the next token starts in this choice's text
+    has_started: bool = False
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What the front needs of one parsed OpenAI request besides the Generate message."""
+
+    options: oai.StreamOptions
+    wants_logprobs: bool
+
+
+class _Response:
+    """How one endpoint dresses Generate chunks (completions: text; chat: message or delta) for the n
+    choices of one request: one OpenAI choice per completion index, usage over all of them."""
+
+    def __init__(self, is_chat: bool, model: str, wants_logprobs: bool, token_texts: oai.TokenTexts):
         self.is_chat = is_chat
         self.ids = oai.ResponseIds.new("chatcmpl" if is_chat else "cmpl", model)
+        self._wants_logprobs = wants_logprobs
+        self._token_texts = token_texts
+        self._choices: dict[int, _Choice] = {}
+        self._num_prompt_tokens = 0
 
-    def chunk(self, text: str, finish, is_first: bool) -> dict[str, Any]:
+    def _choice_of(self, chunk: generate_pb2.GenerateResponse) -> _Choice:
+        """The chunk's choice, its token count brought up to date."""
+        choice = self._choices.setdefault(chunk.index, _Choice(chunk.index))
+        choice.num_output_tokens = chunk.num_output_tokens
+        self._num_prompt_tokens = chunk.num_prompt_tokens  # the same prompt for every choice
+        return choice
+
+    def _logprobs(self, choice: _Choice, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
+        if not self._wants_logprobs:
+            return None
         if self.is_chat:
-            delta = {"role": "assistant", "content": text} if is_first else ({"content": text} if text else {})
-            return {**self.ids.envelope("chat.completion.chunk"), "choices": [oai.chat_delta(delta, finish)]}
-        return {**self.ids.envelope("text_completion"), "choices": [oai.completion_choice(text, finish)]}
+            return oai.chat_logprobs(entries, self._token_texts)
+        logprobs, choice.text_offset = oai.completion_logprobs(entries, self._token_texts, choice.text_offset)
+        return logprobs
+
+    def streamed(self, chunk: generate_pb2.GenerateResponse) -> dict[str, Any]:
+        """The stream event of one chunk: its choice, by index (chat: the role with the choice's first)."""
+        choice = self._choice_of(chunk)
+        finish = convert.finish_reason_from_proto(chunk.finish_reason)
+        logprobs = self._logprobs(choice, _token_logprobs(chunk))
+        if self.is_chat:
+            delta = {"content": chunk.text} if chunk.text or not choice.has_started else {}
+            if not choice.has_started:
+                delta = {"role": "assistant", **delta}
+            dressed = oai.chat_delta(choice.index, delta, finish, logprobs)
+        else:
+            dressed = oai.completion_choice(choice.index, chunk.text, finish, logprobs)
+        choice.has_started = True
+        return {**self.ids.envelope(self._object(chunk=True)), "choices": [dressed]}
+
+    def collect(self, chunk: generate_pb2.GenerateResponse) -> None:
+        choice = self._choice_of(chunk)
+        choice.text += chunk.text
+        choice.logprobs.extend(_token_logprobs(chunk))
+        choice.finish = convert.finish_reason_from_proto(chunk.finish_reason) or choice.finish
+
+    def whole(self) -> dict[str, Any]:
+        """The response of everything collected: every choice in index order, and the usage."""
+        dress = oai.chat_choice if self.is_chat else oai.completion_choice
+        choices = [dress(c.index, c.text, c.finish, self._logprobs(c, c.logprobs))
+                   for c in sorted(self._choices.values(), key=lambda c: c.index)]
+        return {**self.ids.envelope(self._object(chunk=False)), "choices": choices, "usage": self.usage()}
 
     def usage_chunk(self) -> dict[str, Any]:
-        return {**self.ids.envelope("chat.completion.chunk" if self.is_chat else "text_completion"), "choices": []}
+        return {**self.ids.envelope(self._object(chunk=True)), "choices": [], "usage": self.usage()}
 
-    def whole(self, text: str, finish) -> dict[str, Any]:
+    def usage(self) -> dict[str, int]:
+        """The prompt once, the output tokens of every choice."""
+        return oai.usage(self._num_prompt_tokens, sum(c.num_output_tokens for c in self._choices.values()))
+
+    def _object(self, chunk: bool) -> str:
         if self.is_chat:
-            return {**self.ids.envelope("chat.completion"), "choices": [oai.chat_choice(text, finish)]}
-        return {**self.ids.envelope("text_completion"), "choices": [oai.completion_choice(text, finish)]}
+            return "chat.completion.chunk" if chunk else "chat.completion"
+        return "text_completion"
+
+
+def _token_logprobs(chunk: generate_pb2.GenerateResponse) -> list[TokenLogprobs]:
+    return [convert.token_logprobs_from_proto(entry) for entry in chunk.logprobs]
 
 
 class HttpFront:
@@ -149,9 +227,11 @@ class HttpFront:
         is_ready: Callable[[], bool],
         max_model_len: Callable[[], int | None] = lambda: None,
         api_key: str | None = None,
+        tracer: Callable[[], trace.Tracer] = lambda: _NO_TRACER,
     ):
-        """codec: the text codec (for chat templates) once known; api_key: the bearer token clients
-        must send (None: open)."""
+        """codec: the text codec (for chat templates and logprobs' token texts) once known; api_key: the
+        bearer token clients must send (None: open); tracer: the service's tracer (its tracing may be set
+        up after this front), for one server span per generation request."""
         self._generate = generate
         self.model_name = model_name
         self._codec = codec
@@ -159,13 +239,15 @@ class HttpFront:
         self._is_ready = is_ready
         self._max_model_len = max_model_len
         self._api_key = api_key
-        self.app = Starlette(routes=[
-            Route("/v1/completions", self._completions, methods=["POST"]),
-            Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
+        app = Starlette(routes=[
+            Route(COMPLETIONS_PATH, self._completions, methods=["POST"]),
+            Route(CHAT_COMPLETIONS_PATH, self._chat_completions, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
         ])
+        # Probes and scrapes are not traced: their spans would bury the requests'.
+        self.app = HttpTracingMiddleware(app, tracer, traced_paths=(COMPLETIONS_PATH, CHAT_COMPLETIONS_PATH))
 
     # ---- plain endpoints ----------------------------------------------------------------------
     async def _models(self, request: Request) -> Response:
@@ -196,10 +278,10 @@ class HttpFront:
             body = await self._body(request)
             if (unknown := self._unknown_model(body)) is not None:
                 return unknown
-            message, options = self._generate_request(body, is_chat)
+            message, parsed = self._generate_request(body, is_chat)
         except InvalidRequest as exc:
             return _error(400, "invalid_request_error", str(exc))
-        shape = _Shape(is_chat, self.model_name)
+        response = _Response(is_chat, self.model_name, parsed.wants_logprobs, self._token_texts)
         responses = self._generate(message, InProcessContext()).__aiter__()
         try:
             # Bad input ends the call before its first chunk: answer it with a status, not a stream.
@@ -210,19 +292,24 @@ class HttpFront:
             return _error(*_SERVER_ERROR, "the request ended without output")
         if first is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        if options.is_streaming:
-            return StreamingResponse(self._stream(shape, options, first, responses), media_type="text/event-stream")
-        return await self._whole(request, shape, first, responses)
+        if parsed.options.is_streaming:
+            return StreamingResponse(
+                self._stream(response, parsed.options, first, responses), media_type="text/event-stream")
+        return await self._whole(request, response, first, responses)
 
-    def _generate_request(self, body: dict[str, Any], is_chat: bool):
+    def _generate_request(self, body: dict[str, Any], is_chat: bool) -> tuple[generate_pb2.GenerateRequest, _Request]:
+        default_max_tokens = oai.COMPLETIONS_DEFAULT_MAX_TOKENS
         if is_chat:
-            oai.check_fields(body, ("messages", "chat_template_kwargs", "add_generation_prompt"))
+            oai.check_fields(body, ("messages", "chat_template_kwargs", "add_generation_prompt", "logprobs",
+                                    "top_logprobs"))
             prompt: str | list[int] = self._chat_prompt(oai.chat_messages(body))
+            default_max_tokens = self._rest_of_context(len(prompt))
         else:
-            oai.check_fields(body, ("prompt",))
+            oai.check_fields(body, ("prompt", "logprobs"))
             prompt = oai.completion_prompt(body)
         options = oai.stream_options_from_openai(body)
-        sampling = convert.sampling_params_to_proto(oai.sampling_params_from_openai(body))
+        params = oai.sampling_params_from_openai(body, is_chat=is_chat, default_max_tokens=default_max_tokens)
+        sampling = convert.sampling_params_to_proto(params)
         request_id = body.get("request_id") or ""
         if not isinstance(request_id, str):
             raise InvalidRequest(f"request_id must be a string, got {request_id!r}")
@@ -231,7 +318,21 @@ class HttpFront:
             message.text = prompt
         else:
             message.token_ids.ids.extend(prompt)
-        return message, options
+        return message, _Request(options, wants_logprobs=params.logprobs is not None)
+
+    def _rest_of_context(self, num_prompt_tokens: int) -> int:
+        """Chat's max_tokens when the request names none, as vLLM does: the rest of the model's length
+        (at least 1, so a prompt that fills it is refused for its length)."""
+        max_model_len = self._max_model_len()
+        if max_model_len is None:  # no pod has reported yet: the request will not run anyway
+            return oai.COMPLETIONS_DEFAULT_MAX_TOKENS
+        return max(1, max_model_len - num_prompt_tokens)
+
+    def _token_texts(self, token_ids: list[int]) -> list[str]:
+        codec = self._codec()
+        if codec is None:  # vLLM's way of naming tokens without a tokenizer
+            return [f"token_id:{token_id}" for token_id in token_ids]
+        return codec.token_texts(token_ids)
 
     def _chat_prompt(self, messages: list[dict]) -> list[int]:
         codec = self._codec()
@@ -242,46 +343,38 @@ class HttpFront:
         except ChatTemplateError as exc:
             raise InvalidRequest(f"chat template: {exc}") from None
 
-    async def _whole(self, request: Request, shape: _Shape, first, responses) -> Response:
+    async def _whole(self, request: Request, response: _Response, first, responses) -> Response:
         async def collect():
-            chunks = [first]
+            response.collect(first)
             async for chunk in responses:
-                chunks.append(chunk)
-            return chunks
+                response.collect(chunk)
+            return response
 
         try:
-            chunks = await _unless_disconnected(request, collect())
+            collected = await _unless_disconnected(request, collect())
         except CallEnded as exc:
             return _ended_error(exc)
         finally:
             await responses.aclose()
-        if chunks is None:
+        if collected is None:
             return Response(status_code=499)
-        last = chunks[-1]
-        text = "".join(chunk.text for chunk in chunks)
-        finish = convert.finish_reason_from_proto(last.finish_reason)
-        body = shape.whole(text, finish)
-        body["usage"] = oai.usage(last.num_prompt_tokens, last.num_output_tokens)
-        return JSONResponse(body)
+        return JSONResponse(response.whole())
 
-    async def _stream(self, shape: _Shape, options: oai.StreamOptions, first, responses) -> AsyncIterator[str]:
-        """SSE events; a client that hangs up cancels this generator (and with it the request)."""
+    async def _stream(self, response: _Response, options: oai.StreamOptions, first, responses) -> AsyncIterator[str]:
+        """SSE events, one per chunk of any choice; a client that hangs up cancels this generator (and
+        with it the request)."""
         chunk = first
-        is_first = True
         try:
             while chunk is not None:
-                finish = convert.finish_reason_from_proto(chunk.finish_reason)
-                payload = shape.chunk(chunk.text, finish, is_first)
+                payload = response.streamed(chunk)
                 if options.continuous_usage:
-                    payload["usage"] = oai.usage(chunk.num_prompt_tokens, chunk.num_output_tokens)
+                    payload["usage"] = response.usage()
                 elif options.include_usage:
                     payload["usage"] = None
                 yield _sse(payload)
-                is_first = False
-                if options.include_usage and finish is not None:
-                    yield _sse({**shape.usage_chunk(), "usage": oai.usage(
-                        chunk.num_prompt_tokens, chunk.num_output_tokens)})
                 chunk = await anext(responses, None)
+            if options.include_usage:  # once every choice finished
+                yield _sse(response.usage_chunk())
         except CallEnded as exc:
             status, error_type = _HTTP_OF_CODE.get(exc.code, _SERVER_ERROR)
             yield _sse(oai.error_object(exc.details, error_type, status))

@@ -8,13 +8,17 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from shared.engine.request import FinishReason, SamplingParams, StructuredOutputSpec
+from shared.engine.request import MAX_LOGPROBS, FinishReason, SamplingParams, StructuredOutputSpec, TokenLogprobs
 from shared.serving.outcomes import InvalidRequest
 
 # OpenAI's default (the domain default is greedy; an OpenAI client that sends no temperature expects 1).
 OPENAI_DEFAULT_TEMPERATURE = 1.0
+# vLLM's completions default when the request names no max_tokens (chat's is the rest of the context).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# vLLM clamps -inf log-probabilities to this, so the JSON stays valid.
+MIN_LOGPROB = -9999.0
 
 _FINISH_REASONS = {
     FinishReason.STOP: "stop",
@@ -118,12 +122,13 @@ SAMPLING_FIELDS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "guided_json": ("structured_output", _guided("json_schema")),
     "guided_regex": ("structured_output", _guided("regex")),
     "guided_grammar": ("structured_output", _guided("grammar")),
+    "n": ("n", _integer),
 }
 
 # Known OpenAI/vLLM fields this server does not honour yet, with the value that asks for nothing (a
 # request may carry that value; any other is refused with 400 rather than silently ignored).
 UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "logprobs": None, "top_logprobs": None, "n": 1, "best_of": 1, "echo": False, "suffix": None,
+    "best_of": 1, "echo": False, "suffix": None,
     "tools": None, "tool_choice": None, "min_p": 0, "functions": None, "function_call": None,
 }
 # Fields that change nothing in the output (accepted and ignored).
@@ -131,16 +136,46 @@ INFORMATIONAL_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_t
 _REQUEST_FIELDS = ("model", "stream", "stream_options", "request_id")
 
 
-def sampling_params_from_openai(body: dict[str, Any]) -> SamplingParams:
-    """The domain SamplingParams an OpenAI request asks for (OpenAI's defaults where it is silent)."""
-    kwargs: dict[str, Any] = {"temperature": OPENAI_DEFAULT_TEMPERATURE}
+def sampling_params_from_openai(
+    body: dict[str, Any], *, is_chat: bool = False, default_max_tokens: int = COMPLETIONS_DEFAULT_MAX_TOKENS
+) -> SamplingParams:
+    """The domain SamplingParams an OpenAI request asks for (OpenAI's defaults where it is silent).
+    default_max_tokens: max_tokens when the request names none."""
+    kwargs: dict[str, Any] = {"temperature": OPENAI_DEFAULT_TEMPERATURE, "max_tokens": default_max_tokens}
     for name, (param, parse) in SAMPLING_FIELDS.items():
         if body.get(name) is not None:
             kwargs[param] = parse(name, body[name])
+    kwargs["logprobs"] = chat_logprobs_count(body) if is_chat else completion_logprobs_count(body)
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
+
+
+def completion_logprobs_count(body: dict[str, Any]) -> int | None:
+    """/v1/completions' `logprobs`: how many most likely tokens to report beside each output token."""
+    value = body.get("logprobs")
+    if value is None:
+        return None
+    return _logprobs_count("logprobs", value)
+
+
+def chat_logprobs_count(body: dict[str, Any]) -> int | None:
+    """/v1/chat/completions' `logprobs: true` with `top_logprobs: k` (0 when absent), as OpenAI and vLLM
+    take them: a positive top_logprobs needs logprobs true."""
+    wanted = body.get("logprobs") is not None and _boolean("logprobs", body["logprobs"])
+    top = body.get("top_logprobs")
+    count = 0 if top is None else _logprobs_count("top_logprobs", top)
+    if count and not wanted:
+        raise InvalidRequest("top_logprobs needs logprobs: true")
+    return count if wanted else None
+
+
+def _logprobs_count(name: str, value: Any) -> int:
+    value = _integer(name, value)
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise InvalidRequest(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+    return value
 
 
 def check_fields(body: dict[str, Any], endpoint_fields: tuple[str, ...]) -> None:
@@ -258,19 +293,68 @@ class ResponseIds:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
 
 
-def completion_choice(text: str, finish: FinishReason | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason_to_openai(finish)}
+def completion_choice(index: int, text: str, finish: FinishReason | None,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason_to_openai(finish)}
 
 
-def chat_choice(text: str, finish: FinishReason | None) -> dict[str, Any]:
+def chat_choice(index: int, text: str, finish: FinishReason | None,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
-        "index": 0, "message": {"role": "assistant", "content": text},
-        "logprobs": None, "finish_reason": finish_reason_to_openai(finish),
+        "index": index, "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs, "finish_reason": finish_reason_to_openai(finish),
     }
 
 
-def chat_delta(delta: dict[str, str], finish: FinishReason | None) -> dict[str, Any]:
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason_to_openai(finish)}
+def chat_delta(index: int, delta: dict[str, str], finish: FinishReason | None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason_to_openai(finish)}
+
+
+# Token ids -> the text of each one alone (what logprobs name tokens by).
+TokenTexts = Callable[[list[int]], list[str]]
+
+
+def _clamped(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprobs], token_texts: TokenTexts, text_offset: int
+) -> tuple[dict[str, Any], int]:
+    """/v1/completions' logprobs of these tokens, as vLLM writes them: each token's text and logprob, a
+    {text: logprob} of the token and the most likely ones, and where each token starts in the
+    completion's text (from text_offset). Returns it with the offset after the last token."""
+    texts = iter(token_texts([token for entry in entries for token in (entry.token_id, *(t for t, _ in entry.top))]))
+    result: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for entry in entries:
+        token = next(texts)
+        top = {token: _clamped(entry.logprob)}
+        for _, logprob in entry.top:
+            top.setdefault(next(texts), _clamped(logprob))
+        result["tokens"].append(token)
+        result["token_logprobs"].append(_clamped(entry.logprob))
+        result["top_logprobs"].append(top)
+        result["text_offset"].append(text_offset)
+        text_offset += len(token)
+    return result, text_offset
+
+
+def chat_logprobs(entries: Sequence[TokenLogprobs], token_texts: TokenTexts) -> dict[str, Any]:
+    """/v1/chat/completions' logprobs of these tokens: each token with its logprob and UTF-8 bytes, and
+    the most likely tokens at its position (most likely first)."""
+    texts = iter(token_texts([token for entry in entries for token in (entry.token_id, *(t for t, _ in entry.top))]))
+
+    def described(logprob: float) -> dict[str, Any]:
+        token = next(texts)
+        return {"token": token, "logprob": _clamped(logprob), "bytes": list(token.encode("utf-8"))}
+
+    content = []
+    for entry in entries:
+        item = described(entry.logprob)
+        item["top_logprobs"] = [described(logprob) for _, logprob in entry.top]
+        content.append(item)
+    return {"content": content}
 
 
 def error_object(message: str, error_type: str, status: int, param: str | None = None) -> dict[str, Any]:

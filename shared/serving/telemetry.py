@@ -1,6 +1,7 @@
 """OpenTelemetry tracing for pdserve services: configuration (flags + OTEL_* values handed in by
 __main__), a service-owned tracer provider with OTLP/gRPC export, and W3C trace context carried in
-gRPC metadata by a grpc.aio server interceptor and client interceptors."""
+gRPC metadata by a grpc.aio server interceptor and client interceptors, and in HTTP headers by an ASGI
+middleware for the OpenAI-compatible front."""
 
 from __future__ import annotations
 
@@ -432,6 +433,55 @@ def _code_from_int(value: Any) -> grpc.StatusCode | None:
         if code.value[0] == value:
             return code
     return None
+
+
+# ---------------------------------------------------------------- HTTP server side
+
+
+class HttpTracingMiddleware:
+    """ASGI middleware: one SERVER span per request to a traced path (OpenTelemetry's HTTP conventions:
+    named `METHOD route`), continuing the caller's trace from a W3C `traceparent` header. The span is
+    current while the app runs, streamed body included, so calls made for the request are its children."""
+
+    def __init__(self, app: Any, tracer: Callable[[], trace.Tracer], traced_paths: Sequence[str]) -> None:
+        """tracer: called per request (the service may set its tracing up after building the app)."""
+        self._app = app
+        self._tracer = tracer
+        self._paths = frozenset(traced_paths)
+        self._propagator = TraceContextTextMapPropagator()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["path"] not in self._paths:
+            await self._app(scope, receive, send)
+            return
+        headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
+        parent = self._propagator.extract(headers, getter=_METADATA_GETTER)
+        method, route = scope["method"], scope["path"]
+        span = self._tracer().start_span(
+            f"{method} {route}", context=parent, kind=SpanKind.SERVER,
+            attributes={"http.request.method": method, "http.route": route, "url.path": route,
+                        "url.scheme": scope.get("scheme", "http")},
+        )
+
+        async def traced_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                span.set_attribute("http.response.status_code", status)
+                if status >= 500:  # as for gRPC: a client's mistake is no server fault
+                    span.set_status(Status(StatusCode.ERROR))
+            await send(message)
+
+        token = otel_context.attach(trace.set_span_in_context(span, parent))
+        try:
+            await self._app(scope, receive, traced_send)
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError):
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            raise
+        finally:
+            span.end()
+            _detach(token)
 
 
 # ---------------------------------------------------------------- client side

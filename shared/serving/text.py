@@ -41,6 +41,10 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text).ids)
 
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each token's text alone, special tokens included: how logprobs name tokens (as vLLM does)."""
+        return self._tokenizer.decode_batch([[token_id] for token_id in token_ids], skip_special_tokens=False)
+
     def stream(self) -> "TextStream":
         return TextStream(self._tokenizer)
 
