@@ -10,10 +10,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from shared.engine.request import FinishReason, SamplingParams, StructuredOutputSpec
+from shared.engine.request import MODEL_DEFAULT_FIELDS, FinishReason, SamplingParams, StructuredOutputSpec
 from shared.serving.outcomes import InvalidRequest
 
-# OpenAI's default (the domain default is greedy; an OpenAI client that sends no temperature expects 1).
+# OpenAI's default (the domain default is greedy; an OpenAI client that sends no temperature expects 1),
+# where the model's generation_config.json sets no temperature either.
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 
 _FINISH_REASONS = {
@@ -132,11 +133,15 @@ _REQUEST_FIELDS = ("model", "stream", "stream_options", "request_id")
 
 
 def sampling_params_from_openai(body: dict[str, Any]) -> SamplingParams:
-    """The domain SamplingParams an OpenAI request asks for (OpenAI's defaults where it is silent)."""
+    """The domain SamplingParams an OpenAI request asks for. Where it is silent: the model's defaults
+    (filled by the pod, vLLM's --generation-config auto) for the fields it may set, else OpenAI's."""
     kwargs: dict[str, Any] = {"temperature": OPENAI_DEFAULT_TEMPERATURE}
+    given = set()
     for name, (param, parse) in SAMPLING_FIELDS.items():
         if body.get(name) is not None:
             kwargs[param] = parse(name, body[name])
+            given.add(param)
+    kwargs["unset"] = MODEL_DEFAULT_FIELDS - given
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
