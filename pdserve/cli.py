@@ -120,9 +120,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens at most")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="0 is off")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass")
+    # Left out, these take the model's generation_config.json defaults, else greedy / off / 1.
+    parser.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: the model's, else 0)")
+    parser.add_argument("--top-k", type=int, default=None, help="0 is off (default: the model's, else 0)")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus mass (default: the model's, else 1)")
     parser.add_argument("--seed", type=int, default=None, help="per-request seed")
     parser.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
     parser.add_argument("--timeout", type=float, default=60.0, help="deadline of the whole call in seconds")
@@ -168,8 +169,9 @@ def _run_health(args: argparse.Namespace) -> None:
 
 def _run_generate(args: argparse.Namespace) -> None:
     prompt = args.prompt if args.prompt is not None else [int(t) for t in args.token_ids.split(",") if t.strip()]
-    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    sampling = dict(max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+    given = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    sampling.update({name: value for name, value in given.items() if value is not None})
     _stream(args.target, prompt, sampling, args.timeout, **_connection(args))
 
 

@@ -21,7 +21,8 @@ from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
 from shared.serving import convert
 from shared.serving.api_auth import bearer_metadata
 from shared.serving.tls import TlsConfig
-from shared.engine.request import FinishReason, SamplingParams, StructuredOutputSpec, TokenLogprobs
+from shared.engine.request import MODEL_DEFAULT_FIELDS, FinishReason, SamplingParams, StructuredOutputSpec
+from shared.engine.request import TokenLogprobs
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -58,7 +59,8 @@ def build_generate_request(
     spec = _structured_output(sampling)
     if spec is not None:
         sampling["structured_output"] = spec
-    params = SamplingParams(**sampling)
+    # What the caller does not pass, the model's generation_config.json may give (else the server default).
+    params = SamplingParams(**sampling, unset=MODEL_DEFAULT_FIELDS - sampling.keys())
     message = generate_pb2.GenerateRequest(
         request_id=request_id or "", sampling=convert.sampling_params_to_proto(params)
     )

@@ -78,16 +78,25 @@ def test_generation_config_adds_eos_ids_and_sampling_defaults(checkpoint, free_r
     path = _with_config(checkpoint, tmp_path / "generation", eos_token_id=never)
     (path / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [eos], "do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 20,
-         "max_new_tokens": 12}))
+         "repetition_penalty": 1.1, "max_new_tokens": 12}))
     engine = _engine(path)
     assert engine.eos_token_ids[1:] == (eos,)
     defaults = engine.generation.sampling_params()
-    assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.max_tokens) == (0.7, 0.9, 20, 12)
+    assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.repetition_penalty,
+            defaults.max_tokens) == (0.7, 0.9, 20, 1.1, 12)
     [out] = engine.generate([PROMPT], SamplingParams(max_tokens=12))
     assert out.token_ids == free_run[:free_run.index(eos) + 1]
+    # A request's unset fields take the defaults; its explicit ones win (vLLM's --generation-config auto).
+    filled = engine.generation.fill(SamplingParams(temperature=1.0, top_k=3, unset={"temperature", "top_p"}))
+    assert (filled.temperature, filled.top_p, filled.top_k, filled.repetition_penalty, filled.unset) == \
+        (0.7, 0.9, 3, 1.0, frozenset())
+    # --generation-config vllm: the file's sampling is ignored, its EOS ids still end requests.
+    ignored = load_model(path, generation_config="vllm").generation
+    assert (ignored.sampling, ignored.eos_token_ids) == ({}, engine.eos_token_ids)
     # do_sample false means greedy, whatever temperature the file names (transformers' reading).
     (path / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.7}))
     assert load_model(path).generation.sampling_params().is_greedy
+    assert load_model(path).generation.fill(SamplingParams(temperature=1.0, unset={"temperature"})).is_greedy
 
 
 @pytest.mark.timeout(60, method="thread")

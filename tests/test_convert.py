@@ -4,7 +4,8 @@ import pytest
 from proto.pdserve.v1 import common_pb2, decode_pb2, generate_pb2, prefill_pb2
 from shared.serving import convert, wire
 from shared.engine.kv_transfer.handle import KvRegion, KvSource
-from shared.engine.request import FinishReason, SamplingParams, StructuredOutputSpec, TokenLogprobs
+from shared.engine.request import MODEL_DEFAULT_FIELDS, FinishReason, SamplingParams, StructuredOutputSpec
+from shared.engine.request import TokenLogprobs
 
 LAYOUT = convert.KvLayout("tiny", "float32", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
 
@@ -20,11 +21,24 @@ def test_sampling_params_round_trip():
 
 
 def test_sampling_params_defaults_when_unset():
-    assert convert.sampling_params_from_proto(common_pb2.SamplingParams()) == SamplingParams()
-    assert convert.sampling_params_from_proto(None) == SamplingParams()
+    # Unset, the fields a model may give defaults for are marked so (the pod fills them).
+    assert convert.sampling_params_from_proto(common_pb2.SamplingParams()) == SamplingParams(unset=MODEL_DEFAULT_FIELDS)
+    assert convert.sampling_params_from_proto(None) == SamplingParams(unset=MODEL_DEFAULT_FIELDS)
     defaults = SamplingParams()
     message = convert.sampling_params_to_proto(defaults)
     assert message.HasField("max_tokens") and not message.HasField("seed")
+    # Explicit values travel with presence, 0 and 1 included: a pod can tell them from unset.
+    assert all(message.HasField(name) for name in MODEL_DEFAULT_FIELDS)
+
+
+def test_unset_sampling_fields_round_trip_with_their_fallback():
+    # The OpenAI front's unset temperature falls back to 1, pdserve's to 0; an explicit field is not unset.
+    for fallback in (0.0, 1.0):
+        params = SamplingParams(temperature=fallback, top_k=5, unset={"temperature", "top_p", "repetition_penalty"})
+        message = convert.sampling_params_to_proto(params)
+        assert not message.HasField("temperature") and message.fallback_temperature == fallback
+        assert message.HasField("top_k") and not message.HasField("top_p")
+        assert convert.sampling_params_from_proto(message) == params
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,14 @@ import pytest
 
 from shared.engine.model.model_config import PRESETS
 from shared.engine.model.preset_files import preset_tokenizer_dir
-from shared.engine.request import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputSpec, TokenLogprobs
+from shared.engine.request import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MODEL_DEFAULT_FIELDS,
+    SamplingParams,
+    StructuredOutputSpec,
+    TokenLogprobs,
+)
 from shared.serving import openai_protocol as oai
 from shared.serving.chat_template import ChatTemplate, ChatTemplateError
 from shared.serving.outcomes import InvalidRequest
@@ -25,9 +32,10 @@ def test_sampling_fields_map_onto_sampling_params():
         "ignore_eos": True,
     })
     assert params == SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3,
-                                    stop_token_ids=(9, 11), ignore_eos=True)
-    # OpenAI's defaults where the request is silent; vLLM's top_k -1 is "off"; chat's newer max name.
-    assert oai.sampling_params_from_openai({}) == SamplingParams(temperature=1.0)
+                                    stop_token_ids=(9, 11), ignore_eos=True, unset={"repetition_penalty"})
+    # Where the request is silent: the model's defaults (filled by the pod), else OpenAI's; vLLM's top_k
+    # -1 is "off"; chat's newer max name.
+    assert oai.sampling_params_from_openai({}) == SamplingParams(temperature=1.0, unset=MODEL_DEFAULT_FIELDS)
     assert oai.sampling_params_from_openai({"top_k": -1, "max_completion_tokens": 5}).top_k == 0
     assert oai.sampling_params_from_openai({"max_completion_tokens": 5}).max_tokens == 5
 
@@ -54,7 +62,7 @@ def test_sampling_options_map_onto_sampling_params():
     })
     assert params == SamplingParams(
         temperature=1.0, max_tokens=9, stop=("\n",), presence_penalty=0.5, frequency_penalty=-0.5,
-        repetition_penalty=1.2, min_tokens=2, logit_bias={17: 5.0},
+        repetition_penalty=1.2, min_tokens=2, logit_bias={17: 5.0}, unset={"temperature", "top_p", "top_k"},
         structured_output=StructuredOutputSpec(json_schema=json.dumps(schema)),
     )
     assert oai.sampling_params_from_openai({"response_format": {"type": "json_object"}}).structured_output == \

@@ -14,6 +14,7 @@ from shared.serving.settings import add_flags, config_from_args, setting
 
 POD_FLAGS = [
     "--host", "--port", "--metrics-port", "--otlp-endpoint", "--otel-sampling-ratio", "--model", "--dtype", "--seed",
+    "--generation-config",
     "--block-size", "--num-blocks", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
     "--no-prefix-caching", "--device", "--num-threads", "--max-requests-in-flight", "--grace-seconds",
 ]

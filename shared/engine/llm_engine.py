@@ -146,13 +146,15 @@ class LLMEngine:
 
     # ---- online API (called from one thread) --------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request; ValueError for token ids outside the vocabulary or a prompt too long."""
+        """Queue a request; ValueError for token ids outside the vocabulary or a prompt too long. The
+        sampling fields the request left unset take the checkpoint's generation_config.json defaults."""
         vocab = self.model_config.vocab_size
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(
                 f"request {request.request_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
             )
+        request.sampling_params = self.generation.fill(request.sampling_params)
         if len(self.eos_token_ids) > 1:
             request.add_eos_token_ids(self.eos_token_ids[1:])
         spec = request.sampling_params.structured_output

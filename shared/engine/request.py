@@ -23,6 +23,8 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS = 100.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+# The fields a model's generation_config.json may give defaults for (vLLM's --generation-config auto).
+MODEL_DEFAULT_FIELDS = frozenset({"temperature", "top_p", "top_k", "repetition_penalty"})
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,9 @@ class SamplingParams:
     logprobs: int | None = None  # per output token: its log-probability plus this many most likely
     n: int = 1  # completions per prompt (fanned out by the serving layer)
     structured_output: StructuredOutputSpec | None = None
+    # Fields (of MODEL_DEFAULT_FIELDS) the client left unset: the engine replaces them with the model's
+    # generation_config.json defaults; where the model has none, the value held here (the API's default) stays.
+    unset: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         # Accept any iterable (or None) for lists, a mapping for logit_bias; store immutable values.
@@ -56,6 +61,9 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
         object.__setattr__(self, "logit_bias", tuple(sorted((token, bias) for token, bias in bias)))
+        object.__setattr__(self, "unset", frozenset(self.unset))
+        if not self.unset <= MODEL_DEFAULT_FIELDS:
+            raise ValueError(f"unset names fields without model defaults: {sorted(self.unset - MODEL_DEFAULT_FIELDS)}")
         self._validate()
         self._validate_options()
 

@@ -12,7 +12,8 @@ from proto.pdserve.v1 import common_pb2, decode_pb2, generate_pb2, kv_events_pb2
 from shared.engine.kv_cache.events import KvEvent, KvEventKind
 from shared.engine.kv_transfer.handle import KvHandle, KvLayout, KvPullOutcome, KvPullStats
 from shared.engine.kv_transfer.handle import KvRegion, KvSource
-from shared.engine.request import FinishReason, SamplingParams, StructuredOutputSpec, TokenLogprobs
+from shared.engine.request import MODEL_DEFAULT_FIELDS, FinishReason, SamplingParams, StructuredOutputSpec
+from shared.engine.request import TokenLogprobs
 from shared.serving.wire import (
     DecodeChunk, DecodeInput, KvEventUpdate, LoadReport, PrefillInput, PrefillKvSource, PrefillResult,
 )
@@ -75,13 +76,12 @@ _MEMORY_KIND_FROM_PROTO = {v: k for k, v in _MEMORY_KIND_TO_PROTO.items()}
 
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """Fields in params.unset stay unset (the pod fills them from the model's defaults); an unset
+    temperature travels as fallback_temperature."""
     message = common_pb2.SamplingParams(
         max_tokens=_check_uint("max_tokens", params.max_tokens),
         ignore_eos=params.ignore_eos,
         stop_token_ids=[_check_uint("stop_token_ids entry", t) for t in params.stop_token_ids],
-        temperature=params.temperature,
-        top_k=_check_uint("top_k", params.top_k),
-        top_p=params.top_p,
         stop=list(params.stop),
         include_stop_str_in_output=params.include_stop_str_in_output,
         presence_penalty=params.presence_penalty,
@@ -89,12 +89,14 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         min_tokens=_check_uint("min_tokens", params.min_tokens),
         logit_bias={_check_uint("logit_bias key", token): bias for token, bias in params.logit_bias},
     )
+    for name in sorted(MODEL_DEFAULT_FIELDS - params.unset):
+        setattr(message, name, _check_uint(name, params.top_k) if name == "top_k" else getattr(params, name))
+    if "temperature" in params.unset:
+        message.fallback_temperature = params.temperature
     if params.seed is not None:
         message.seed = _check_uint("seed", params.seed, UINT64_MAX)
     if params.prompt_logprobs is not None:
         message.prompt_logprobs = _check_uint("prompt_logprobs", params.prompt_logprobs)
-    if params.repetition_penalty != 1.0:
-        message.repetition_penalty = params.repetition_penalty
     if params.logprobs is not None:
         message.logprobs = _check_uint("logprobs", params.logprobs)
     if params.n != 1:
@@ -124,14 +126,13 @@ def _structured_output_from_proto(message: common_pb2.StructuredOutput) -> Struc
 
 
 def sampling_params_from_proto(message: common_pb2.SamplingParams | None) -> SamplingParams:
-    """Unset optional fields (or an absent message) take SamplingParams' defaults."""
+    """Unset optional fields (or an absent message) take SamplingParams' defaults; those the model may
+    give defaults for are marked unset (an unset temperature is fallback_temperature until then)."""
     if message is None:
-        return SamplingParams()
+        message = common_pb2.SamplingParams()
     kwargs: dict = {
         "ignore_eos": message.ignore_eos,
         "stop_token_ids": tuple(message.stop_token_ids),
-        "temperature": message.temperature,
-        "top_k": message.top_k,
         "stop": tuple(message.stop),
         "include_stop_str_in_output": message.include_stop_str_in_output,
         "presence_penalty": message.presence_penalty,
@@ -139,9 +140,12 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams | None) -> Sam
         "min_tokens": message.min_tokens,
         "logit_bias": dict(message.logit_bias),
     }
-    for name in ("max_tokens", "top_p", "seed", "prompt_logprobs", "repetition_penalty", "logprobs", "n"):
+    for name in ("max_tokens", "seed", "prompt_logprobs", "logprobs", "n", *sorted(MODEL_DEFAULT_FIELDS)):
         if message.HasField(name):
             kwargs[name] = getattr(message, name)
+    kwargs["unset"] = MODEL_DEFAULT_FIELDS - kwargs.keys()
+    if "temperature" in kwargs["unset"]:
+        kwargs["temperature"] = message.fallback_temperature
     floats = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
     not_numbers = [name for name in floats if name in kwargs and math.isnan(kwargs[name])]
     not_numbers += [f"logit_bias[{token}]" for token, bias in kwargs["logit_bias"].items() if math.isnan(bias)]

@@ -10,10 +10,18 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from shared.engine.request import MAX_LOGPROBS, FinishReason, SamplingParams, StructuredOutputSpec, TokenLogprobs
+from shared.engine.request import (
+    MAX_LOGPROBS,
+    MODEL_DEFAULT_FIELDS,
+    FinishReason,
+    SamplingParams,
+    StructuredOutputSpec,
+    TokenLogprobs,
+)
 from shared.serving.outcomes import InvalidRequest
 
-# OpenAI's default (the domain default is greedy; an OpenAI client that sends no temperature expects 1).
+# OpenAI's default (the domain default is greedy; an OpenAI client that sends no temperature expects 1),
+# where the model's generation_config.json sets no temperature either.
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 # vLLM's completions default when the request names no max_tokens (chat's is the rest of the context).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -139,12 +147,16 @@ _REQUEST_FIELDS = ("model", "stream", "stream_options", "request_id")
 def sampling_params_from_openai(
     body: dict[str, Any], *, is_chat: bool = False, default_max_tokens: int = COMPLETIONS_DEFAULT_MAX_TOKENS
 ) -> SamplingParams:
-    """The domain SamplingParams an OpenAI request asks for (OpenAI's defaults where it is silent).
+    """The domain SamplingParams an OpenAI request asks for. Where it is silent: the model's defaults
+    (filled by the pod, vLLM's --generation-config auto) for the fields it may set, else OpenAI's.
     default_max_tokens: max_tokens when the request names none."""
     kwargs: dict[str, Any] = {"temperature": OPENAI_DEFAULT_TEMPERATURE, "max_tokens": default_max_tokens}
+    given = set()
     for name, (param, parse) in SAMPLING_FIELDS.items():
         if body.get(name) is not None:
             kwargs[param] = parse(name, body[name])
+            given.add(param)
+    kwargs["unset"] = MODEL_DEFAULT_FIELDS - given
     kwargs["logprobs"] = chat_logprobs_count(body) if is_chat else completion_logprobs_count(body)
     try:
         return SamplingParams(**kwargs)

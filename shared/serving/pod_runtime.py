@@ -3,6 +3,7 @@ engine loop thread, admission limits and the load report. Both tiers build one; 
 """
 from __future__ import annotations
 
+import logging
 import uuid
 import dataclasses
 from dataclasses import dataclass, field
@@ -18,11 +19,14 @@ from shared.engine.kv_transfer.nixl_connector import NixlConnector
 from shared.engine.kv_transfer.nixl_consumer import NixlConsumer
 from shared.engine.kv_transfer.nixl_producer import NixlProducer
 from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
+from shared.engine.model.generation_config import GENERATION_CONFIG_AUTO, GENERATION_CONFIG_CHOICES
 from shared.engine.model.loader import DTYPE_AUTO, DTYPE_CHOICES, load_model
 from shared.engine.request import Request
 from shared.serving.outcomes import InvalidRequest, PodOverloaded
 from shared.serving.settings import engine_settings, setting, settings_group
 from shared.serving.tls import TlsConfig
+
+logger = logging.getLogger(__name__)
 
 
 def serving_scheduler_config() -> SchedulerConfig:
@@ -54,6 +58,11 @@ class PodConfig:
     ))
     seed: int = field(default=0, metadata=setting(
         "seed of the built-in random weights (prefill and decode must agree)"
+    ))
+    generation_config: str = field(default=GENERATION_CONFIG_AUTO, metadata=setting(
+        "auto: sampling fields a request leaves unset take the model's generation_config.json defaults "
+        "(temperature, top_p, top_k, repetition_penalty); vllm: ignore them, as vLLM's flag (prefill and "
+        "decode must agree)", choices=GENERATION_CONFIG_CHOICES
     ))
     scheduler: SchedulerConfig = field(default_factory=serving_scheduler_config, metadata=engine_settings(
         max_num_seqs="most requests computed in one step",
@@ -108,7 +117,10 @@ class Pod:
         """role None: a colocated pod (no connector) that runs whole requests itself."""
         self.role = role
         self.config = config
-        loaded = load_model(config.model, dtype=config.dtype, seed=config.seed, device=config.device)
+        loaded = load_model(config.model, dtype=config.dtype, seed=config.seed, device=config.device,
+                            generation_config=config.generation_config)
+        logger.info("sampling defaults (--generation-config %s): %s", config.generation_config,
+                    loaded.generation.describe())
         model_config = loaded.config
         max_model_len = min(config.scheduler.max_model_len, model_config.max_position_embeddings)
         # A fresh id per process start: a restarted prefill pod cannot confirm an old hold.

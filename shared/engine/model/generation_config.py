@@ -1,9 +1,11 @@
 """A checkpoint's generation defaults: every EOS id it declares and the sampling it recommends.
 
 config.json and generation_config.json may both list EOS ids (Llama-3.1-Instruct lists three); any of
-them ends a request, as in transformers' generate() and vLLM. generation_config.json's temperature,
-top_p, top_k and max_new_tokens become the default sampling parameters (vLLM's --generation-config auto);
-do_sample false there means greedy, as transformers reads it.
+them ends a request, as in transformers' generate() and vLLM. Under vLLM's `--generation-config auto`
+(the default), generation_config.json's temperature, top_p, top_k and repetition_penalty replace the
+fields a request leaves unset (SamplingParams.unset), on every path (LLMEngine.add_request fills them),
+and max_new_tokens is LLMEngine.generate()'s default max_tokens; do_sample false there means greedy, as
+transformers reads it. `vllm` ignores the file's sampling (its EOS ids still end requests), as vLLM does.
 """
 from __future__ import annotations
 
@@ -19,8 +21,13 @@ from shared.engine.request import SamplingParams
 logger = logging.getLogger(__name__)
 
 GENERATION_CONFIG_FILE = "generation_config.json"
-# Sampling settings a generation_config.json may recommend that SamplingParams has no field for.
-_UNSUPPORTED_SAMPLING = ("repetition_penalty", "min_p", "typical_p", "presence_penalty", "frequency_penalty")
+# vLLM's --generation-config modes: take the checkpoint's sampling defaults, or ignore them.
+GENERATION_CONFIG_AUTO = "auto"
+GENERATION_CONFIG_VLLM = "vllm"
+GENERATION_CONFIG_CHOICES = (GENERATION_CONFIG_AUTO, GENERATION_CONFIG_VLLM)
+# Sampling settings a generation_config.json may recommend that requests do not take from it (min_p and
+# typical_p: SamplingParams has no such field; the penalties: vLLM does not default them either).
+_UNSUPPORTED_SAMPLING = ("min_p", "typical_p", "presence_penalty", "frequency_penalty")
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,19 @@ class GenerationDefaults:
         """SamplingParams with the checkpoint's defaults, then the given fields on top."""
         return SamplingParams(**{**self.sampling, **overrides})
 
+    def fill(self, params: SamplingParams) -> SamplingParams:
+        """params with each field it left unset replaced by the checkpoint's default, where there is one."""
+        if not params.unset:
+            return params
+        filled = {name: self.sampling[name] for name in params.unset if name in self.sampling}
+        return dataclasses.replace(params, **filled, unset=frozenset())
+
+    def describe(self) -> str:
+        """The sampling defaults in use, for the start-up log."""
+        if not self.sampling:
+            return "none (requests' unset fields keep the API defaults)"
+        return ", ".join(f"{name}={value}" for name, value in sorted(self.sampling.items()))
+
 
 def eos_ids(value: Any) -> tuple[int, ...]:
     """An eos_token_id field (None, one id or a list of ids) as a tuple."""
@@ -48,15 +68,19 @@ def eos_ids(value: Any) -> tuple[int, ...]:
     return ids
 
 
-def generation_defaults(config_eos_token_ids: tuple[int, ...], model_dir: Path | None) -> GenerationDefaults:
+def generation_defaults(config_eos_token_ids: tuple[int, ...], model_dir: Path | None,
+                        mode: str = GENERATION_CONFIG_AUTO) -> GenerationDefaults:
     """The EOS ids of config.json merged with generation_config.json's (config.json's first, no repeats),
-    and the sampling defaults the latter sets."""
+    and the sampling defaults the latter sets (none in mode "vllm")."""
+    if mode not in GENERATION_CONFIG_CHOICES:
+        raise ValueError(f"generation_config must be one of {GENERATION_CONFIG_CHOICES}, got {mode!r}")
     generation: dict[str, Any] = {}
     if model_dir is not None and (model_dir / GENERATION_CONFIG_FILE).is_file():
         with (model_dir / GENERATION_CONFIG_FILE).open() as f:
             generation = json.load(f)
     ids = tuple(dict.fromkeys(config_eos_token_ids + eos_ids(generation.get("eos_token_id"))))
-    return GenerationDefaults(eos_token_ids=ids, sampling=_sampling_defaults(generation))
+    sampling = _sampling_defaults(generation) if mode == GENERATION_CONFIG_AUTO else {}
+    return GenerationDefaults(eos_token_ids=ids, sampling=sampling)
 
 
 def _sampling_defaults(generation: dict[str, Any]) -> dict[str, Any]:
@@ -65,14 +89,14 @@ def _sampling_defaults(generation: dict[str, Any]) -> dict[str, Any]:
         defaults["max_tokens"] = int(generation["max_new_tokens"])
     ignored = [name for name in _UNSUPPORTED_SAMPLING if generation.get(name) not in (None, 1.0, 0.0)]
     if ignored:
-        logger.warning("%s recommends %s, which this engine does not implement; requests sample without them",
+        logger.warning("%s recommends %s, which requests do not take from it; they sample without them",
                        GENERATION_CONFIG_FILE, ", ".join(f"{n}={generation[n]}" for n in ignored))
-    if generation.get("do_sample") is False:
-        return defaults  # greedy, whatever temperature the file also names
-    for name in ("temperature", "top_p", "top_k"):
+    names = ("repetition_penalty",) if generation.get("do_sample") is False else (
+        "repetition_penalty", "temperature", "top_p", "top_k")
+    for name in names:
         if generation.get(name) is not None:
-            defaults[name] = generation[name]
-    if defaults.get("top_k") is not None:
-        defaults["top_k"] = int(defaults["top_k"])
+            defaults[name] = int(generation[name]) if name == "top_k" else float(generation[name])
+    if generation.get("do_sample") is False:
+        defaults["temperature"] = 0.0  # greedy, whatever temperature the file also names
     SamplingParams(**defaults)  # a value out of range fails at load, not on the first request
     return defaults

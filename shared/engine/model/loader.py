@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shared.engine.model.generation_config import GenerationDefaults, generation_defaults
+from shared.engine.model.generation_config import GENERATION_CONFIG_AUTO, GenerationDefaults, generation_defaults
 from shared.engine.model.model_config import PRESETS, ModelArchConfig, preset
 from shared.engine.model.llama import LlamaModel
 from shared.engine.model.preset_files import preset_tokenizer_dir
@@ -35,13 +35,14 @@ class LoadedModel:
 
 
 def load_model(source: str | Path, dtype: str | None = DTYPE_AUTO, seed: int = 0,
-               device: torch.device | str = "cpu") -> LoadedModel:
+               device: torch.device | str = "cpu", generation_config: str = GENERATION_CONFIG_AUTO) -> LoadedModel:
     """source: a preset name ("tiny", "100m") for random weights from seed, or an HF model directory.
     dtype: "float32", "bfloat16", or "auto" (None too): the checkpoint's own dtype when the model will run
-    on a GPU, float32 on the CPU (where bfloat16 matmuls are slower, and float32 matches transformers)."""
+    on a GPU, float32 on the CPU (where bfloat16 matmuls are slower, and float32 matches transformers).
+    generation_config: "auto" takes generation_config.json's sampling defaults, "vllm" ignores them."""
     requested = dtype
     dtype = _resolve_dtype(dtype, device)
-    loaded = _load(source, dtype, seed)
+    loaded = _load(source, dtype, seed, generation_config)
     how = "as asked" if requested not in (None, DTYPE_AUTO) else f"auto on {torch.device(device).type}"
     logger.info("model %s: dtype %s (%s)", loaded.config.name, loaded.config.dtype, how)
     return loaded
@@ -56,14 +57,14 @@ def _resolve_dtype(dtype: str | None, device: torch.device | str) -> str | None:
     return dtype
 
 
-def _load(source: str | Path, dtype: str | None, seed: int) -> LoadedModel:
+def _load(source: str | Path, dtype: str | None, seed: int, generation_config: str) -> LoadedModel:
     if isinstance(source, str) and source in PRESETS:
         config = preset(source, dtype or "float32")
         # The presets ship their own tokenizer, so the built-in models take text.
         directory = preset_tokenizer_dir(source)
         tokenizer = load_tokenizer(directory) if directory is not None else None
         return LoadedModel(config=config, model=random_model(config, seed), tokenizer=tokenizer,
-                           generation=generation_defaults(config.eos_token_ids, None))
+                           generation=generation_defaults(config.eos_token_ids, None, generation_config))
     path = Path(source)
     if not path.is_dir():
         raise ValueError(f"model {str(source)!r} is neither a built-in ({sorted(PRESETS)}) nor a directory")
@@ -74,7 +75,7 @@ def _load(source: str | Path, dtype: str | None, seed: int) -> LoadedModel:
     model = LlamaModel(config)
     load_hf_weights(model, _read_safetensors(path, config.torch_dtype))
     return LoadedModel(config=config, model=model.eval(), tokenizer=load_tokenizer(path, required=False),
-                       generation=generation_defaults(config.eos_token_ids, path))
+                       generation=generation_defaults(config.eos_token_ids, path, generation_config))
 
 
 def random_model(config: ModelArchConfig, seed: int) -> LlamaModel:
