@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from shared.engine.kv_transfer.connector import KVRole  # noqa: E402
 from shared.engine.kv_transfer.handoff import HoldForPeer  # noqa: E402
 from loopback_connector import LoopbackConnector, LoopbackKVStore  # noqa: E402
+from torch_threads import one_torch_thread  # noqa: E402
 from shared.engine.llm_engine import LLMEngine  # noqa: E402
 from shared.engine.model import attention  # noqa: E402
 from shared.engine.model.loader import random_model, save_pretrained  # noqa: E402
@@ -74,16 +75,12 @@ def _hf_greedy(hf, prompt: list[int], num_tokens: int = NUM_OUTPUT) -> list[int]
 def checkpoints(tmp_path_factory):
     """name -> (model dir, {prompt: transformers' greedy tokens})."""
     out = {}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # transformers' generate() on models this small is per-op overhead
-    try:
+    with one_torch_thread():
         for name, config in SHAPES.items():
             path = tmp_path_factory.mktemp(name)
             hf = _save(config, path)
             prompts = PROMPTS + PREFIX_PROMPTS if config.has_sliding_window else PROMPTS
             out[name] = (path, {tuple(p): _hf_greedy(hf, p) for p in prompts})
-    finally:
-        torch.set_num_threads(threads)
     return out
 
 
@@ -171,13 +168,9 @@ def test_bfloat16_small_head_sizes_match_transformers(tmp_path, head_dim):
     """bfloat16 rounds differently in transformers' eager kernels than in ours, so a near-tie may tip the
     other way: all prompts but one must match token for token, on both decode attention paths."""
     config = _config(hidden_size=4 * head_dim, num_heads=4, num_kv_heads=1, dtype="bfloat16")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         hf = _save(config, tmp_path)
         references = {tuple(p): _hf_greedy(hf, p) for p in PROMPTS}
-    finally:
-        torch.set_num_threads(threads)
     params = SamplingParams(max_tokens=NUM_OUTPUT, ignore_eos=True)
     for uses_kernel in (True, False):
         engine = _engine(tmp_path, dtype="bfloat16")
