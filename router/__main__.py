@@ -50,6 +50,7 @@ async def run(
     closers = contextlib.AsyncExitStack()
     tracing = start_tracing(config, env, closers)
     registry = CollectorRegistry()
+    metrics = RouterMetrics(registry)
     metrics_server = start_metrics(config, registry, closers)
     server = GrpcServer(
         ServerOptions(host=config.host, port=config.port, grace_seconds=config.grace_seconds, tls=config.tls),
@@ -66,7 +67,7 @@ async def run(
 
     subscriptions, kv_index = follow_kv_events(config, closers)
     prefill, decode = worker_pools(config, tracing, update_health, closers)
-    servicer = RouterServicer(prefill, decode, config, codec=codec, metrics=RouterMetrics(registry),
+    servicer = RouterServicer(prefill, decode, config, codec=codec, metrics=metrics,
                               tracer=tracing.tracer, kv_index=kv_index)
     server.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer, GENERATE_SERVICE)
     http = http_front(config, servicer, codec, registry, api_token,
