@@ -3,9 +3,11 @@ SIGTERM/SIGINT. Start with `python -m router --prefill HOST:PORT --decode HOST:P
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
+from typing import Awaitable, Callable
 
 from prometheus_client import CollectorRegistry
 
@@ -18,11 +20,11 @@ from router.servicer import RouterServicer
 from shared.serving.text import TextCodec
 from router.workers import WorkerPool
 from shared.serving.api_auth import BearerTokenInterceptor
-from shared.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServerOptions
+from shared.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServerOptions, serve_until_stopped
 from shared.serving.http_api import HttpFront, HttpServer
-from shared.serving.metrics import start_metrics_server
+from shared.serving.metrics import MetricsServer, start_metrics_server
 from shared.serving.prefill_client import PrefillClient
-from shared.serving.telemetry import TracingConfig, setup_tracing
+from shared.serving.telemetry import Tracing, TracingConfig, setup_tracing
 
 logger = logging.getLogger("router")
 
@@ -31,24 +33,28 @@ PREFILL_SERVICE = "pdserve.v1.PrefillService"
 DECODE_SERVICE = "pdserve.v1.DecodeService"
 
 
+# How the router's channels to the pods are set up (worker pools and KV event streams alike).
+POD_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+    # A restarted pod is back within seconds: reconnect at most a second after it is.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 async def run(
     config: RouterConfig, *, env: dict[str, str], codec: TextCodec | None = None, api_token: str | None = None
 ) -> None:
-    """api_token: the bearer token Generate callers must send, if any."""
-    tracing = setup_tracing(
-        TracingConfig.from_flags_and_env(env, default_service_name="pdserve-router", otlp_endpoint=config.otlp_endpoint)
-    )
+    """Serves until SIGTERM/SIGINT. api_token: the bearer token Generate callers must send, if any."""
+    closers = contextlib.AsyncExitStack()
+    tracing = start_tracing(config, env, closers)
     registry = CollectorRegistry()
     metrics = RouterMetrics(registry)
-    metrics_server = (
-        start_metrics_server(registry, config.host, config.metrics_port) if config.metrics_port is not None else None
-    )
-    interceptors = list(tracing.server_interceptors())
-    if api_token is not None:
-        interceptors.append(BearerTokenInterceptor(api_token))
+    metrics_server = start_metrics(config, registry, closers)
     server = GrpcServer(
         ServerOptions(host=config.host, port=config.port, grace_seconds=config.grace_seconds, tls=config.tls),
-        interceptors=interceptors,
+        interceptors=public_interceptors(tracing, api_token),
     )
 
     async def update_health() -> None:
@@ -59,68 +65,115 @@ async def run(
         if subscriptions is not None:
             subscriptions.sync([*prefill.addresses, *decode.addresses])
 
-    pool_wiring = dict(
-        channel_options=[
-            ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
-            # A restarted pod is back within seconds: reconnect at most a second after it is.
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ],
-        interceptors=tracing.client_interceptors(),
-        on_poll=update_health,
-        tls=config.tls,
-    )
-    # Each router replica follows every pod's KV events itself: same events, same index.
-    kv_index = KvIndex(config.kv_index_max_blocks) if config.needs_kv_index else None
-    subscriptions = (
-        KvEventSubscriptions(kv_index, pool_wiring["channel_options"], tls=config.tls) if kv_index is not None else None
-    )
-    prefill = WorkerPool(
-        "prefill", config.prefill, prefill_pb2_grpc.PrefillServiceStub, PREFILL_SERVICE, config.pool,
-        client_class=lambda channel: PrefillClient(channel, config.prefill_client), **pool_wiring,
-    )
-    decode = WorkerPool(
-        "decode", config.decode, decode_pb2_grpc.DecodeServiceStub, DECODE_SERVICE, config.pool, **pool_wiring
-    )
-    servicer = RouterServicer(prefill, decode, config, codec=codec, metrics=metrics, tracer=tracing.tracer,
-                              kv_index=kv_index)
+    subscriptions, kv_index = follow_kv_events(config, closers)
+    prefill, decode = worker_pools(config, tracing, update_health, closers)
+    servicer = RouterServicer(prefill, decode, config, codec=codec, metrics=metrics,
+                              tracer=tracing.tracer, kv_index=kv_index)
     server.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer, GENERATE_SERVICE)
-    http = None
-    if config.http.http_port is not None:
-        front = HttpFront(
-            servicer.Generate, model_name=served_model_name(config), codec=lambda: codec,
-            registry=registry, is_ready=lambda: prefill.has_healthy and decode.has_healthy,
-            max_model_len=lambda: servicer.max_model_len, api_key=api_token, tracer=lambda: tracing.tracer,
-        )
-        http = HttpServer(front.app, config.host, config.http.http_port)
-        server.on_shutdown(http.stop)
+    http = http_front(config, servicer, codec, registry, api_token, tracing,
+                      is_ready=lambda: prefill.has_healthy and decode.has_healthy)
+    if http is not None:
+        server.on_shutdown(http.stop)  # before the drain: no new HTTP requests while the others finish
+        closers.push_async_callback(http.stop)
     server.on_shutdown(servicer.drain)
-    try:
+
+    async def start() -> list[str]:
         await server.start()
         if http is not None:
             await http.start()
         await prefill.start()
         await decode.start()
         await update_health()
-        print(f"router listening on {server.address} (prefill: {', '.join(prefill.addresses)}; "
-              f"decode: {', '.join(decode.addresses)}; policy {config.policy})", flush=True)
-        if metrics_server is not None:
-            print(f"router metrics at {metrics_server.url}", flush=True)
-        if http is not None:
-            print(f"router OpenAI-compatible HTTP API at {http.url}/v1", flush=True)
-        await server.serve_forever()
-    finally:
-        await server.stop()
-        if http is not None:
-            await http.stop()
-        if subscriptions is not None:
-            await subscriptions.close()
-        await prefill.close()
-        await decode.close()
-        if metrics_server is not None:
-            metrics_server.stop()
-        tracing.shutdown()
+        return announcements(server, prefill, decode, config, metrics_server, http)
+
+    await serve_until_stopped(server, start, closers)
+
+
+def start_tracing(config: RouterConfig, env: dict[str, str], closers: contextlib.AsyncExitStack) -> Tracing:
+    tracing = setup_tracing(
+        TracingConfig.from_flags_and_env(env, default_service_name="pdserve-router", otlp_endpoint=config.otlp_endpoint)
+    )
+    closers.callback(tracing.shutdown)
+    return tracing
+
+
+def start_metrics(
+    config: RouterConfig, registry: CollectorRegistry, closers: contextlib.AsyncExitStack
+) -> MetricsServer | None:
+    """The Prometheus endpoint, when --metrics-port is set."""
+    if config.metrics_port is None:
+        return None
+    metrics_server = start_metrics_server(registry, config.host, config.metrics_port)
+    closers.callback(metrics_server.stop)
+    return metrics_server
+
+
+def public_interceptors(tracing: Tracing, api_token: str | None) -> list:
+    interceptors = list(tracing.server_interceptors())
+    if api_token is not None:
+        interceptors.append(BearerTokenInterceptor(api_token))
+    return interceptors
+
+
+def follow_kv_events(
+    config: RouterConfig, closers: contextlib.AsyncExitStack
+) -> tuple[KvEventSubscriptions | None, KvIndex | None]:
+    """The KV index and its event streams, when the policy needs them. Each router replica follows every
+    pod's KV events itself: same events, same index."""
+    if not config.needs_kv_index:
+        return None, None
+    kv_index = KvIndex(config.kv_index_max_blocks)
+    subscriptions = KvEventSubscriptions(kv_index, POD_CHANNEL_OPTIONS, tls=config.tls)
+    closers.push_async_callback(subscriptions.close)
+    return subscriptions, kv_index
+
+
+def worker_pools(
+    config: RouterConfig, tracing: Tracing, on_poll: Callable[[], Awaitable[None]],
+    closers: contextlib.AsyncExitStack,
+) -> tuple[WorkerPool, WorkerPool]:
+    """The prefill and the decode tier; on_poll runs after each health poll."""
+    wiring = dict(channel_options=POD_CHANNEL_OPTIONS, interceptors=tracing.client_interceptors(),
+                  on_poll=on_poll, tls=config.tls)
+    prefill = WorkerPool(
+        "prefill", config.prefill, prefill_pb2_grpc.PrefillServiceStub, PREFILL_SERVICE, config.pool,
+        client_class=lambda channel: PrefillClient(channel, config.prefill_client), **wiring,
+    )
+    decode = WorkerPool(
+        "decode", config.decode, decode_pb2_grpc.DecodeServiceStub, DECODE_SERVICE, config.pool, **wiring
+    )
+    closers.push_async_callback(prefill.close)
+    closers.push_async_callback(decode.close)
+    return prefill, decode
+
+
+def http_front(
+    config: RouterConfig, servicer: RouterServicer, codec: TextCodec | None, registry: CollectorRegistry,
+    api_token: str | None, tracing: Tracing, *, is_ready: Callable[[], bool],
+) -> HttpServer | None:
+    """The OpenAI-compatible HTTP API, when --http-port is set (is_ready: its readiness, as the gRPC one)."""
+    if config.http.http_port is None:
+        return None
+    front = HttpFront(
+        servicer.Generate, model_name=served_model_name(config), codec=lambda: codec,
+        registry=registry, is_ready=is_ready,
+        max_model_len=lambda: servicer.max_model_len, api_key=api_token, tracer=lambda: tracing.tracer,
+    )
+    return HttpServer(front.app, config.host, config.http.http_port)
+
+
+def announcements(
+    server: GrpcServer, prefill: WorkerPool, decode: WorkerPool, config: RouterConfig,
+    metrics_server: MetricsServer | None, http: HttpServer | None,
+) -> list[str]:
+    """What the router serves where; the first line is the one tests read the address from."""
+    lines = [f"router listening on {server.address} (prefill: {', '.join(prefill.addresses)}; "
+             f"decode: {', '.join(decode.addresses)}; policy {config.policy})"]
+    if metrics_server is not None:
+        lines.append(f"router metrics at {metrics_server.url}")
+    if http is not None:
+        lines.append(f"router OpenAI-compatible HTTP API at {http.url}/v1")
+    return lines
 
 
 def served_model_name(config: RouterConfig) -> str:

@@ -1,7 +1,33 @@
-"""Fixtures shared across test modules."""
+"""Fixtures shared across test modules, and the fast lane's collection shortcut."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
+
+# A module-level `pytestmark = pytest.mark.e2e` (or a list holding it) on one line: every test in the module
+# is e2e.
+_E2E_MODULE = re.compile(r"^pytestmark = .*\bpytest\.mark\.e2e\b", re.MULTILINE)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """A run that deselects every e2e test (the fast lane, -m "not e2e") does not import the modules that
+    are e2e as a whole: pytest would import them only to deselect all their tests, and their imports
+    (hypothesis, openai, the launcher...) cost the fast lane seconds. Any other run collects as usual."""
+    if not (collection_path.name.startswith("test_") and collection_path.suffix == ".py"):
+        return None
+    if not _deselects_every_e2e_test(config.option.markexpr):
+        return None
+    return True if _E2E_MODULE.search(collection_path.read_text()) else None
+
+
+def _deselects_every_e2e_test(markexpr: str) -> bool:
+    """Whether the -m expression is terms joined by "and", one of them "not e2e". Expressions with "or" or
+    parentheses are left to pytest's own deselection."""
+    if not markexpr or re.search(r"\bor\b|[()]", markexpr):
+        return False
+    return any(term.split() == ["not", "e2e"] for term in re.split(r"\band\b", markexpr))
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from shared.engine.kv_transfer.connector import KVRole  # noqa: E402
 from shared.engine.kv_transfer.handoff import HoldForPeer  # noqa: E402
 from loopback_connector import LoopbackConnector, LoopbackKVStore  # noqa: E402
+from torch_threads import one_torch_thread  # noqa: E402
 from shared.engine.llm_engine import LLMEngine  # noqa: E402
 from shared.engine.model import attention  # noqa: E402
 from shared.engine.model.loader import random_model, save_pretrained  # noqa: E402
@@ -75,16 +76,12 @@ def _hf_greedy(hf, prompt: list[int], num_tokens: int = NUM_OUTPUT) -> list[int]
 def checkpoints(tmp_path_factory):
     """name -> (model dir, {prompt: transformers' greedy tokens})."""
     out = {}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # transformers' generate() on models this small is per-op overhead
-    try:
+    with one_torch_thread():
         for name, config in SHAPES.items():
             path = tmp_path_factory.mktemp(name)
             hf = _save(config, path)
             prompts = PROMPTS + PREFIX_PROMPTS if config.has_sliding_window else PROMPTS
             out[name] = (path, {tuple(p): _hf_greedy(hf, p) for p in prompts})
-    finally:
-        torch.set_num_threads(threads)
     return out
 
 
@@ -208,17 +205,13 @@ def test_bfloat16_small_head_sizes_match_transformers(tmp_path, head_dim):
     (0.2412109375 each) and one step apart under SDPA (0.2412109375 and 0.2421875); eager picks 14, SDPA
     177, and so do our two decode paths, one each."""
     config = _config(hidden_size=4 * head_dim, num_heads=4, num_kv_heads=1, dtype="bfloat16")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         save_pretrained(random_model(config, seed=11), tmp_path)
         references = {}
         for implementation in ("sdpa", "eager"):
             hf = transformers.AutoModelForCausalLM.from_pretrained(
                 tmp_path, attn_implementation=implementation, dtype=torch.bfloat16).eval()
             references[implementation] = [_hf_greedy_with_logits(hf, p) for p in PROMPTS]
-    finally:
-        torch.set_num_threads(threads)
     params = SamplingParams(max_tokens=NUM_OUTPUT, ignore_eos=True)
     for uses_kernel in (True, False):
         engine = _engine(tmp_path, dtype="bfloat16")

@@ -1,6 +1,7 @@
 """shared.serving.grpc_server: health goes NOT_SERVING -> SERVING -> NOT_SERVING across start/ready/shutdown,
 reflection lists the services, and an unexpected handler exception becomes INTERNAL."""
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -9,7 +10,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
 from raw_grpc import GARBAGE, call_with_raw_bytes
-from shared.serving.grpc_server import GrpcServer, ServerOptions
+from shared.serving.grpc_server import GrpcServer, ServerOptions, serve_until_stopped
 
 pytestmark = pytest.mark.e2e
 
@@ -72,6 +73,54 @@ def test_serve_forever_stops_on_request():
         await asyncio.wait_for(task, 10)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(30)
+def test_serve_until_stopped_announces_then_stops_and_closes_newest_first(capsys):
+    events = []
+
+    async def scenario():
+        server = make_server()
+        closers = contextlib.AsyncExitStack()
+        closers.callback(events.append, "closed first registered")
+        closers.callback(events.append, "closed last registered")
+
+        async def start():
+            await server.start()
+            server.on_shutdown(lambda: events.append("on_shutdown"))
+            return ["svc listening on here", "svc metrics at there"]
+
+        task = asyncio.create_task(serve_until_stopped(server, start, closers))
+        while not server.is_started:
+            await asyncio.sleep(0.01)
+        server.request_stop()
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(scenario())
+    assert capsys.readouterr().out == "svc listening on here\nsvc metrics at there\n"
+    assert events == ["on_shutdown", "closed last registered", "closed first registered"]
+
+
+@pytest.mark.timeout(30)
+def test_serve_until_stopped_stops_and_closes_when_start_fails(capsys):
+    closed = []
+
+    async def scenario():
+        server = make_server()
+        closers = contextlib.AsyncExitStack()
+        closers.callback(closed.append, True)
+
+        async def start():
+            await server.start()
+            raise OSError("the model did not load")
+
+        with pytest.raises(OSError, match="did not load"):
+            await serve_until_stopped(server, start, closers)
+        assert server.shutdown_seconds_left() < server.options.grace_seconds  # stop() ran
+
+    asyncio.run(scenario())
+    assert closed == [True]
+    assert capsys.readouterr().out == ""
 
 
 @pytest.mark.timeout(30)

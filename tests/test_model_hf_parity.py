@@ -19,6 +19,7 @@ from shared.engine.model.attention import AttentionMetadata, SequenceSpan  # noq
 from shared.engine.model.model_config import ModelArchConfig  # noqa: E402
 from shared.engine.model.loader import load_model, random_model, save_pretrained  # noqa: E402
 from shared.engine.request import SamplingParams  # noqa: E402
+from torch_threads import one_torch_thread  # noqa: E402
 
 NUM_OUTPUT = 16
 BLOCK_SIZE = 16
@@ -77,9 +78,10 @@ def _hf_greedy(hf, prompt: list[int], num_tokens: int) -> list[int]:
 @pytest.fixture(scope="module")
 def references(checkpoints):
     refs = {}
-    for name in MODELS:
-        hf = checkpoints[name][1]
-        refs[name] = {tuple(p): _hf_greedy(hf, p, NUM_OUTPUT) for p in PROMPTS + PREFIX_PROMPTS}
+    with one_torch_thread():
+        for name in MODELS:
+            hf = checkpoints[name][1]
+            refs[name] = {tuple(p): _hf_greedy(hf, p, NUM_OUTPUT) for p in PROMPTS + PREFIX_PROMPTS}
     return refs
 
 

@@ -2,6 +2,7 @@
 fallback when it cannot be built."""
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch
 
 import torch.nn.functional as F
 
+from shared.engine.model import paged_decode
 from shared.engine.model.paged_decode import paged_decode_attention, paged_decode_available
 
 REPO = Path(__file__).resolve().parent.parent
@@ -229,8 +231,26 @@ def test_uses_the_openmp_runtime_torch_already_loaded():
     assert len(runtimes) <= 1, runtimes
 
 
+def test_an_unloadable_kernel_falls_back_with_one_warning(monkeypatch, caplog):
+    """In process: whatever stops the load is logged once and cached; attention then refuses to run."""
+    def fail_to_load():
+        raise OSError("no compiler here")
+
+    monkeypatch.setattr(paged_decode.kernel_build, "load_library", fail_to_load)
+    # A fresh cache around the same loader; monkeypatch puts the loaded kernel's cache back afterwards.
+    monkeypatch.setattr(paged_decode, "_kernel", functools.cache(paged_decode._kernel.__wrapped__))
+    assert paged_decode.paged_decode_available() is False
+    assert paged_decode.paged_decode_available() is False  # the failure is cached, not retried
+    assert [r.getMessage() for r in caplog.records].count(
+        "paged decode kernel unavailable, decode attention keeps the SDPA path: no compiler here") == 1
+    with pytest.raises(RuntimeError, match="paged decode kernel unavailable"):
+        paged_decode_attention(torch.zeros(1, 1, 16), torch.zeros(1, 16, 1, 16), torch.zeros(1, 16, 1, 16),
+                               torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1.0)
+
+
+@pytest.mark.e2e  # starts a Python process
 def test_build_failure_falls_back_with_a_warning(tmp_path):
-    """A fresh extensions dir and a compiler that does not exist: available is False, nothing raises."""
+    """A fresh build folder and a compiler that does not exist: available is False, nothing raises."""
     script = textwrap.dedent("""
         import logging
         import torch
@@ -244,7 +264,7 @@ def test_build_failure_falls_back_with_a_warning(tmp_path):
         except RuntimeError as exc:
             print("raised:", exc)
     """)
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), CXX=str(tmp_path / "no-such-compiler"))
+    env = dict(os.environ, PDSERVE_KERNEL_DIR=str(tmp_path), CXX=str(tmp_path / "no-such-compiler"))
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr

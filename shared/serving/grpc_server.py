@@ -1,18 +1,20 @@
 """One place for running a pdserve gRPC service: grpc.aio server with message-size limits, standard health
 (readiness: the overall status "", NOT_SERVING until the owner says ready; liveness: the "liveness" service,
 SERVING while the process works), reflection, interceptors, malformed-message -> INVALID_ARGUMENT and
-unexpected-exception -> INTERNAL mapping, optional TLS, and graceful shutdown on SIGTERM/SIGINT within one
-deadline.
+unexpected-exception -> INTERNAL mapping, optional TLS, graceful shutdown on SIGTERM/SIGINT within one
+deadline, and the start / announce / wait / stop sequence every composition root ends with
+(serve_until_stopped).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -338,3 +340,28 @@ class GrpcServer:
             self.install_signal_handlers()
         await self._stop_requested.wait()
         await self.stop()
+
+
+# ---- the end of every composition root --------------------------------------------------------
+
+
+def announce(line: str) -> None:
+    """Prints what the process serves where. Flushed: the launcher's logs, tests and operators read stdout
+    as it comes (tests read the address from "<name> listening on HOST:PORT ...", printed once it serves)."""
+    print(line, flush=True)
+
+
+async def serve_until_stopped(
+    server: GrpcServer, start: Callable[[], Awaitable[Sequence[str]]], closers: contextlib.AsyncExitStack
+) -> None:
+    """Runs `start` (bind the server, start what serves beside it, flip readiness) and announces the lines
+    it returns; serves until SIGTERM/SIGINT or request_stop(); then stops gracefully (readiness
+    NOT_SERVING, the on_shutdown callbacks, in-flight RPCs within the grace period) and closes what
+    `closers` holds, the last registered first. The stop and the closing also run when `start` fails."""
+    try:
+        for line in await start():
+            announce(line)
+        await server.serve_forever()
+    finally:
+        await server.stop()
+        await closers.aclose()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -15,16 +17,17 @@ from opentelemetry import context as otel_context
 
 from shared.serving.engine_thread import RequestTimeline
 from shared.serving.api_auth import BearerTokenInterceptor
-from shared.serving.grpc_server import GrpcServer, ServerOptions
+from shared.serving.grpc_server import GrpcServer, ServerOptions, announce, serve_until_stopped
 from shared.serving.http_api import HttpServer
 from shared.serving.handle_key import add_handle_key_flags
 from shared.engine.kv_transfer.connector import KVRole
 from shared.engine.kv_transfer.transfer_agent import recommended_environment
 from shared.serving.cpu_limit import default_num_threads
-from shared.serving.metrics import ServiceMetrics, start_metrics_server
+from shared.serving.metrics import MetricsServer, ServiceMetrics, start_metrics_server
 from shared.serving.pod_call import PodCall
 from shared.serving.pod_runtime import CONSUMER_SETTINGS, PRODUCER_SETTINGS, Pod, PodConfig
 from shared.serving.settings import add_flags, config_from_args
+from shared.serving.tls import TlsConfig
 from shared.serving.telemetry import (
     DEFAULT_UNTRACED_METHOD_PREFIXES, SpanAttr, Tracing, TracingConfig, record_span, setup_tracing,
 )
@@ -201,6 +204,37 @@ async def run_pod(
     NOT_SERVING, refuse new work, let requests in flight finish (grace period), stop the pod.
     http: an HTTP front served beside the gRPC server (from the start; it answers 503 while loading).
     api_token: the bearer token the public API (a colocated pod's Generate) requires, if any."""
+    closers = contextlib.AsyncExitStack()
+    tracing = start_tracing(args, env, service_name, closers)
+    server = pod_grpc_server(args, pod_config.tls, tracing, services, api_token)
+    set_kv_transport_env(args.kv_port_range, uses_cuda=pod_config.device.startswith("cuda"))
+    if http is not None:
+        closers.push_async_callback(http.stop)
+
+    async def start() -> list[str]:
+        port = await server.start()
+        if http is not None:
+            await http.start()
+            announce(f"{service_name} OpenAI-compatible HTTP API at {http.url}/v1")
+        pod = await load_pod(role, advertised(pod_config, role, args.host, port), args.kv_port_range, tracing)
+        server.on_shutdown(functools.partial(shut_down, pod, server, services, http))
+        for _, servicer, _ in services:
+            servicer.attach(pod)
+        metrics = services[0][1].metrics  # the pod's metrics: its first service's
+        metrics_server = start_metrics(args, metrics, closers)
+        watch(pod, server, metrics, closers)
+        await server.set_serving(True)
+        lines = [f"{service_name} listening on {server.address} (engine {pod.engine_id})"]
+        if metrics_server is not None:
+            lines.append(f"{service_name} metrics at {metrics_server.url}")
+        return lines
+
+    await serve_until_stopped(server, start, closers)
+
+
+def start_tracing(
+    args: argparse.Namespace, env: Mapping[str, str], service_name: str, closers: contextlib.AsyncExitStack
+) -> Tracing:
     tracing = setup_tracing(
         TracingConfig.from_flags_and_env(
             env,
@@ -209,72 +243,87 @@ async def run_pod(
             sampling_ratio=args.otel_sampling_ratio,
         )
     )
+    closers.callback(tracing.shutdown)
+    return tracing
+
+
+def pod_grpc_server(
+    args: argparse.Namespace, tls: TlsConfig, tracing: Tracing,
+    services: Sequence[tuple[Callable, PodServicer, str]], api_token: str | None,
+) -> GrpcServer:
+    """The pod's gRPC server with its services registered; they trace with the pod's tracing."""
     # Load polls come every second from every router: tracing them would bury the request traces.
     untraced = (*DEFAULT_UNTRACED_METHOD_PREFIXES, *(f"/{name}/GetLoad" for _, _, name in services))
     interceptors = list(tracing.server_interceptors(untraced))
     if api_token is not None:
         interceptors.append(BearerTokenInterceptor(api_token))
     server = GrpcServer(
-        ServerOptions(host=args.host, port=args.port, grace_seconds=args.grace_seconds, tls=pod_config.tls),
+        ServerOptions(host=args.host, port=args.port, grace_seconds=args.grace_seconds, tls=tls),
         interceptors=interceptors,
     )
-    # UCX reads these when the NIXL agent starts, inside Pod(). Non-blocking connects: with UCX's default
-    # blocking connect, a peer whose KV ports drop packets stalls the engine thread for the kernel's whole
-    # SYN retry time (about two minutes) instead of failing the pull at its deadline.
-    os.environ["UCX_TCP_PORT_RANGE"] = args.kv_port_range
-    os.environ.setdefault("UCX_TCP_CONN_NB", "y")
-    # A pod started as `python -m prefill_svc` (the launcher, k8s) skips the CLI's set-up, and on a GPU
-    # without NVLink UCX then routes device-memory READs over TCP; an operator's own value wins.
-    for name, value in recommended_environment(uses_cuda=pod_config.device.startswith("cuda")).items():
-        os.environ.setdefault(name, value)
     for add_to_server, servicer, name in services:
         servicer.use_tracing(tracing)
         server.add_service(add_to_server, servicer, name)
-    metrics_server = None
-    gauges = watcher = None
-    try:
-        port = await server.start()
-        if http is not None:
-            await http.start()
-            print(f"{service_name} OpenAI-compatible HTTP API at {http.url}/v1", flush=True)
-        if role is KVRole.PRODUCER and not pod_config.advertise_address:
-            pod_config = dataclasses.replace(pod_config, advertise_address=f"{args.host}:{port}")
-        logger.info("torch threads: %s; KV transfer ports: %s", pod_config.num_threads or "torch's default",
-                    args.kv_port_range)
-        pod = await asyncio.get_running_loop().run_in_executor(None, Pod, role, pod_config)
-        pod.loop.is_timing_requests = tracing.is_enabled  # the timelines only feed trace spans
-        pod.start()
+    return server
 
-        async def shut_down() -> None:
-            for _, servicer, _ in services:
-                servicer.is_draining = True
-            if http is not None:
-                await http.stop()
-            await drain(pod, server.shutdown_seconds_left())
-            await pod.stop()
-            for _, servicer, _ in services:
-                await servicer.close()
 
-        server.on_shutdown(shut_down)
-        for _, servicer, _ in services:
-            servicer.attach(pod)
-        metrics = services[0][1].metrics
-        if args.metrics_port is not None:
-            metrics_server = start_metrics_server(metrics.registry, args.host, args.metrics_port)
-        gauges = asyncio.ensure_future(refresh_gauges(pod, metrics))
-        watcher = asyncio.ensure_future(stop_when_the_engine_fails(pod, server))
-        await server.set_serving(True)
-        print(f"{service_name} listening on {server.address} (engine {pod.engine_id})", flush=True)
-        if metrics_server is not None:
-            print(f"{service_name} metrics at {metrics_server.url}", flush=True)
-        await server.serve_forever()
-    finally:
-        await server.stop()
-        if http is not None:
-            await http.stop()
-        for task in (gauges, watcher):
-            if task is not None:
-                task.cancel()
-        if metrics_server is not None:
-            metrics_server.stop()
-        tracing.shutdown()
+def set_kv_transport_env(kv_port_range: str, *, uses_cuda: bool) -> None:
+    """UCX reads these when the NIXL agent starts, inside Pod(). Non-blocking connects: with UCX's default
+    blocking connect, a peer whose KV ports drop packets stalls the engine thread for the kernel's whole
+    SYN retry time (about two minutes) instead of failing the pull at its deadline. A pod started as
+    `python -m prefill_svc` (the launcher, k8s) skips the CLI's set-up, and on a GPU without NVLink UCX
+    then routes device-memory READs over TCP; an operator's own value wins."""
+    os.environ["UCX_TCP_PORT_RANGE"] = kv_port_range
+    os.environ.setdefault("UCX_TCP_CONN_NB", "y")
+    for name, value in recommended_environment(uses_cuda=uses_cuda).items():
+        os.environ.setdefault(name, value)
+
+
+def advertised(pod_config: PodConfig, role: KVRole | None, host: str, port: int) -> PodConfig:
+    """A prefill pod without --advertise-address advertises the address its server is bound to."""
+    if role is KVRole.PRODUCER and not pod_config.advertise_address:
+        return dataclasses.replace(pod_config, advertise_address=f"{host}:{port}")
+    return pod_config
+
+
+async def load_pod(role: KVRole | None, pod_config: PodConfig, kv_port_range: str, tracing: Tracing) -> Pod:
+    """Loads the model and the KV pool off the event loop (the server keeps answering health), then
+    starts the engine thread."""
+    logger.info("torch threads: %s; KV transfer ports: %s", pod_config.num_threads or "torch's default",
+                kv_port_range)
+    pod = await asyncio.get_running_loop().run_in_executor(None, Pod, role, pod_config)
+    pod.loop.is_timing_requests = tracing.is_enabled  # the timelines only feed trace spans
+    pod.start()
+    return pod
+
+
+async def shut_down(
+    pod: Pod, server: GrpcServer, services: Sequence[tuple[Callable, PodServicer, str]], http: HttpServer | None
+) -> None:
+    """The server's on_shutdown (readiness already NOT_SERVING): refuse new work, let requests in flight
+    finish within what is left of the grace period, stop the pod, then the servicers."""
+    for _, servicer, _ in services:
+        servicer.is_draining = True
+    if http is not None:
+        await http.stop()
+    await drain(pod, server.shutdown_seconds_left())
+    await pod.stop()
+    for _, servicer, _ in services:
+        await servicer.close()
+
+
+def start_metrics(
+    args: argparse.Namespace, metrics: ServiceMetrics, closers: contextlib.AsyncExitStack
+) -> MetricsServer | None:
+    """The Prometheus endpoint, when --metrics-port is set."""
+    if args.metrics_port is None:
+        return None
+    metrics_server = start_metrics_server(metrics.registry, args.host, args.metrics_port)
+    closers.callback(metrics_server.stop)
+    return metrics_server
+
+
+def watch(pod: Pod, server: GrpcServer, metrics: ServiceMetrics, closers: contextlib.AsyncExitStack) -> None:
+    """The pod's background tasks: its load gauges, and the engine thread's watcher."""
+    for task in (refresh_gauges(pod, metrics), stop_when_the_engine_fails(pod, server)):
+        closers.callback(asyncio.ensure_future(task).cancel)

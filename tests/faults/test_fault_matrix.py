@@ -35,6 +35,35 @@ def _any_has(num_tokens: int):
     return lambda counts: any(count >= num_tokens for count in counts)
 
 
+# The moments a scenario strikes at: a time after its requests were sent, or a point of their streams.
+def _after_s(seconds: float):
+    return lambda load: asyncio.sleep(seconds)
+
+
+def _once_all_have(num_tokens: int):
+    return lambda load: load.until(_all_have(num_tokens))
+
+
+def _once_any_has(num_tokens: int):
+    return lambda load: load.until(_any_has(num_tokens))
+
+
+async def _strike(cluster, load, shots: list[Shot], *, at, service: str, sig: signal.Signals,
+                  freeze_s: float = FREEZE_S) -> None:
+    """Sends the shots, waits for the moment `at`, signals `service`, and waits for every shot to end. A
+    stopped service (SIGSTOP) continues after freeze_s; a killed or terminated one is restarted on its
+    ports once the shots ended."""
+    done = load.start(shots)
+    await at(load)
+    cluster.send(service, sig)
+    if sig is signal.SIGSTOP:
+        await asyncio.sleep(freeze_s)
+        cluster.send(service, signal.SIGCONT)
+    await done
+    if sig in (signal.SIGKILL, signal.SIGTERM):
+        await asyncio.to_thread(cluster.restart, service)
+
+
 # Each scenario drives one Load and returns True when every request must succeed (a second pod of
 # the tier was there to take over), False when failing requests are the point (cancel, deadline).
 
@@ -44,61 +73,35 @@ async def baseline(cluster, load):
 
 
 async def prefill_sigkill_while_computing(cluster, load):
-    done = load.start(_long(16))
-    await asyncio.sleep(0.05)
-    cluster.send("prefill-0", signal.SIGKILL)
-    await done
-    await asyncio.to_thread(cluster.restart, "prefill-0")
+    await _strike(cluster, load, _long(16), at=_after_s(0.05), service="prefill-0", sig=signal.SIGKILL)
     return True
 
 
 async def prefill_sigkill_after_token1_before_pull(cluster, load):
-    done = load.start(_long(48))
-    await load.until(_any_has(1))
-    cluster.send("prefill-0", signal.SIGKILL)
-    await done
-    await asyncio.to_thread(cluster.restart, "prefill-0")
+    await _strike(cluster, load, _long(48), at=_once_any_has(1), service="prefill-0", sig=signal.SIGKILL)
     return True
 
 
 async def decode_sigkill_midstream(cluster, load):
-    done = load.start(_short(200))
-    await load.until(_all_have(3))
-    cluster.send("decode-0", signal.SIGKILL)
-    await done
-    await asyncio.to_thread(cluster.restart, "decode-0")
+    await _strike(cluster, load, _short(200), at=_once_all_have(3), service="decode-0", sig=signal.SIGKILL)
     return True
 
 
 async def prefill_sigstop(cluster, load):
-    done = load.start(_long(16))
-    await asyncio.sleep(0.02)
-    cluster.send("prefill-0", signal.SIGSTOP)
-    await asyncio.sleep(FREEZE_S)
-    cluster.send("prefill-0", signal.SIGCONT)
-    await done
+    await _strike(cluster, load, _long(16), at=_after_s(0.02), service="prefill-0", sig=signal.SIGSTOP)
     return True
 
 
 async def decode_sigstop(cluster, load):
-    done = load.start(_short(200))
-    await load.until(_all_have(3))
-    cluster.send("decode-0", signal.SIGSTOP)
-    await asyncio.sleep(FREEZE_S)
-    cluster.send("decode-0", signal.SIGCONT)
-    await done
+    await _strike(cluster, load, _short(200), at=_once_all_have(3), service="decode-0", sig=signal.SIGSTOP)
     return True
 
 
 async def lease_expiry_under_load(cluster, load):
     before = _lease_expiries(cluster)
-    done = load.start([Shot(prompt, 16) for prompt in LONG_PROMPTS])
-    await load.until(_any_has(1))
     # A frozen router pulls nothing: the holds of the prompts computing now outlive their lease.
-    cluster.send("router", signal.SIGSTOP)
-    await asyncio.sleep(LEASE_S + 1.0)
-    cluster.send("router", signal.SIGCONT)
-    await done
+    await _strike(cluster, load, [Shot(prompt, 16) for prompt in LONG_PROMPTS], at=_once_any_has(1),
+                  service="router", sig=signal.SIGSTOP, freeze_s=LEASE_S + 1.0)
     await asyncio.sleep(0.6)  # the pods refresh their counters every half second
     assert _lease_expiries(cluster) > before, "no lease ran out: the scenario did not test expiry"
     return True
@@ -131,11 +134,7 @@ async def deadline_midstream(cluster, load):
 
 
 async def router_restart(cluster, load):
-    done = load.start(_short(200))
-    await load.until(_all_have(2))
-    cluster.send("router", signal.SIGKILL)
-    await done
-    await asyncio.to_thread(cluster.restart, "router")
+    await _strike(cluster, load, _short(200), at=_once_all_have(2), service="router", sig=signal.SIGKILL)
     await asyncio.to_thread(cluster.wait_ready, ("router",))
     after = Load(cluster.router_address)
     try:
@@ -148,20 +147,12 @@ async def router_restart(cluster, load):
 
 
 async def prefill_sigterm_drain(cluster, load):
-    done = load.start(_long(16))
-    await asyncio.sleep(0.05)
-    cluster.send("prefill-0", signal.SIGTERM)
-    await done
-    await asyncio.to_thread(cluster.restart, "prefill-0")
+    await _strike(cluster, load, _long(16), at=_after_s(0.05), service="prefill-0", sig=signal.SIGTERM)
     return True
 
 
 async def decode_sigterm_drain(cluster, load):
-    done = load.start(_short(100))
-    await load.until(_all_have(3))
-    cluster.send("decode-0", signal.SIGTERM)
-    await done
-    await asyncio.to_thread(cluster.restart, "decode-0")
+    await _strike(cluster, load, _short(100), at=_once_all_have(3), service="decode-0", sig=signal.SIGTERM)
     return True
 
 
