@@ -1,7 +1,15 @@
 """Fixtures shared across test modules."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Triton decides at kernel definition (import) time whether to interpret: without a GPU its kernels
+# run in the interpreter on CPU tensors. Set before any test module imports them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,182 @@
+"""The Triton paged-attention kernels (the CUDA path) against a float64 reference, run on the CPU in
+Triton's interpreter (conftest sets TRITON_INTERPRET=1 without a GPU): decode rows with ragged
+contexts and split-K, prefill spans with cached prefixes, GQA ratios, block sizes, bfloat16 and
+float32, sliding windows, and paged_attention's mixed batches through the Triton path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from shared.engine.model import triton_attention  # noqa: E402
+from shared.engine.model.attention import AttentionMetadata, SequenceSpan, paged_attention  # noqa: E402
+
+HEAD_DIM = 16
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def make_cache(num_blocks, block_size, num_kv_heads, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
+    return torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+
+
+def block_tables(context_lens, block_size, num_blocks, seed):
+    """Each sequence gets distinct, shuffled blocks (never block 0, the padding block)."""
+    gen = torch.Generator().manual_seed(seed)
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = []
+    for length in context_lens:
+        count = -(-length // block_size)
+        tables.append([free.pop() for _ in range(count)])
+    return tables
+
+
+def reference(query, key_cache, value_cache, table, context_len, query_positions, scale, window):
+    """float64 attention of queries [Q, H, D] at query_positions over a sequence's first context_len keys."""
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    slots = torch.tensor([table[t // block_size] * block_size + t % block_size for t in range(context_len)])
+    keys = key_cache.reshape(-1, num_kv_heads, HEAD_DIM)[slots].double()
+    values = value_cache.reshape(-1, num_kv_heads, HEAD_DIM)[slots].double()
+    group = query.shape[1] // num_kv_heads
+    keys = keys.repeat_interleave(group, dim=1)
+    values = values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.double(), keys) * scale
+    key_pos = torch.arange(context_len).unsqueeze(0)
+    q_pos = torch.tensor(query_positions).unsqueeze(1)
+    hidden = key_pos > q_pos
+    if window is not None:
+        hidden |= key_pos <= q_pos - window
+    scores = scores.masked_fill(hidden.unsqueeze(0), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+
+def check_decode(context_lens, num_heads, num_kv_heads, block_size, dtype, window=None, num_splits=None,
+                 block_n=16, seed=0):
+    num_blocks = sum(-(-c // block_size) for c in context_lens) + 2
+    key_cache, value_cache = make_cache(num_blocks, block_size, num_kv_heads, dtype, seed)
+    tables = block_tables(context_lens, block_size, num_blocks, seed)
+    width = max(len(t) for t in tables) + 1  # wider than needed: the kernel must stop at the context
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    query = torch.randn(len(context_lens), num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(seed + 1))
+    query = query.to(dtype)
+    scale = HEAD_DIM ** -0.5
+    out = triton_attention.decode_attention(query, key_cache, value_cache, table, torch.tensor(context_lens),
+                                            scale, window, num_splits=num_splits, block_n=block_n)
+    assert out.dtype == dtype and out.shape == query.shape
+    for b, length in enumerate(context_lens):
+        expected = reference(query[b:b + 1], key_cache, value_cache, tables[b], length, [length - 1], scale, window)
+        torch.testing.assert_close(out[b:b + 1].double(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_ragged_contexts(dtype, num_splits):
+    check_decode([1, 7, 16, 45], num_heads=4, num_kv_heads=2, block_size=4, dtype=dtype, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
+def test_decode_gqa_ratios(num_heads, num_kv_heads):
+    check_decode([5, 33], num_heads, num_kv_heads, block_size=8, dtype=torch.float32, num_splits=2)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_decode_block_sizes(block_size):
+    check_decode([3, 40], num_heads=4, num_kv_heads=2, block_size=block_size, dtype=torch.float32, num_splits=2)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_sliding_window(num_splits):
+    # Windows shorter than, equal to and longer than the contexts.
+    check_decode([2, 9, 30, 41], num_heads=4, num_kv_heads=2, block_size=4, dtype=torch.float32, window=9,
+                 num_splits=num_splits)
+
+
+def test_decode_more_splits_than_key_tiles():
+    # Most splits of the short sequences are empty: the reduction must ignore them.
+    check_decode([1, 2, 20], num_heads=2, num_kv_heads=1, block_size=4, dtype=torch.float32, num_splits=8)
+
+
+def test_decode_num_splits_fills_the_gpu_and_no_more():
+    assert triton_attention.decode_num_splits(1, 8, max_keys=1024, num_sms=132) == 16  # capped
+    assert triton_attention.decode_num_splits(1, 8, max_keys=64, num_sms=132) == 1  # one key tile
+    assert triton_attention.decode_num_splits(4, 8, max_keys=4096, num_sms=132) == 8
+    assert triton_attention.decode_num_splits(128, 8, max_keys=1024, num_sms=132) == 1
+
+
+def check_spans(spans, num_heads, num_kv_heads, block_size, dtype, window=None, block_m=16, block_n=16, seed=0):
+    """spans: (query_len, context_len) per span; each span's keys are already in the cache."""
+    contexts = [context for _, context in spans]
+    num_blocks = sum(-(-c // block_size) for c in contexts) + 2
+    key_cache, value_cache = make_cache(num_blocks, block_size, num_kv_heads, dtype, seed)
+    tables = block_tables(contexts, block_size, num_blocks, seed)
+    total = sum(q for q, _ in spans)
+    query = torch.randn(total, num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    seq_spans, start = [], 0
+    for (query_len, context_len), table in zip(spans, tables):
+        seq_spans.append(SequenceSpan(start, query_len, context_len, torch.tensor(table)))
+        start += query_len
+    batch = triton_attention.span_batch(seq_spans, query.device, block_m=block_m)
+    scale = HEAD_DIM ** -0.5
+    out = triton_attention.prefill_attention(query, key_cache, value_cache, batch, scale, window, block_n=block_n)
+    for span, table in zip(seq_spans, tables):
+        rows = slice(span.query_start, span.query_start + span.query_len)
+        positions = list(range(span.context_len - span.query_len, span.context_len))
+        expected = reference(query[rows], key_cache, value_cache, table, span.context_len, positions, scale, window)
+        torch.testing.assert_close(out[rows].double(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_fresh_prompts_and_prefix_hits(dtype):
+    # Fresh prompts (context == query), prefix-cache hits and later chunks (context > query),
+    # a decode with drafts (3 of 20), spans longer than one query tile and one key tile.
+    check_spans([(5, 5), (37, 37), (12, 30), (3, 20), (20, 53)], num_heads=4, num_kv_heads=2, block_size=4,
+                dtype=dtype)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(4, 4, 8), (8, 2, 16), (6, 1, 1)])
+def test_prefill_gqa_ratios_and_block_sizes(num_heads, num_kv_heads, block_size):
+    check_spans([(18, 18), (9, 25)], num_heads, num_kv_heads, block_size, torch.float32)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16])
+def test_prefill_sliding_window(window):
+    check_spans([(40, 40), (10, 35), (4, 4)], num_heads=4, num_kv_heads=2, block_size=4, dtype=torch.float32,
+                window=window)
+
+
+def test_paged_attention_mixed_batch_takes_the_triton_path():
+    """Decode rows first, then spans: one paged_attention call with use_triton matches the reference
+    for every row (the runner's batch layout)."""
+    num_heads, num_kv_heads, block_size, dtype = 4, 2, 4, torch.float32
+    decode_contexts = [1, 13, 26]
+    spans = [(9, 9), (6, 22)]
+    contexts = decode_contexts + [c for _, c in spans]
+    num_blocks = sum(-(-c // block_size) for c in contexts) + 2
+    key_cache, value_cache = make_cache(num_blocks, block_size, num_kv_heads, dtype, seed=3)
+    tables = block_tables(contexts, block_size, num_blocks, seed=3)
+    num_rows = len(decode_contexts) + sum(q for q, _ in spans)
+    query = torch.randn(num_rows, num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(4))
+    width = max(len(t) for t in tables[:3])
+    seq_spans, start = [], len(decode_contexts)
+    for (query_len, context_len), table in zip(spans, tables[3:]):
+        seq_spans.append(SequenceSpan(start, query_len, context_len, torch.tensor(table)))
+        start += query_len
+    meta = AttentionMetadata(
+        slot_mapping=None, num_decode_tokens=len(decode_contexts),
+        decode_block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables[:3]]),
+        decode_context_lens=torch.tensor(decode_contexts), decode_key_mask=None, spans=seq_spans, use_triton=True,
+    )
+    scale = HEAD_DIM ** -0.5
+    # key/value rows are unused on this path: everything is read back from the cache
+    out = paged_attention(query, None, None, key_cache, value_cache, meta, scale)
+    for b, length in enumerate(decode_contexts):
+        expected = reference(query[b:b + 1], key_cache, value_cache, tables[b], length, [length - 1], scale, None)
+        torch.testing.assert_close(out[b:b + 1].double(), expected, atol=2e-5, rtol=2e-5)
+    for span, table in zip(seq_spans, tables[3:]):
+        rows = slice(span.query_start, span.query_start + span.query_len)
+        positions = list(range(span.context_len - span.query_len, span.context_len))
+        expected = reference(query[rows], key_cache, value_cache, table, span.context_len, positions, scale, None)
+        torch.testing.assert_close(out[rows].double(), expected, atol=2e-5, rtol=2e-5)
+    assert meta.span_batch is not None  # built once, reused by the next layers
