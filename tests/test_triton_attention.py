@@ -16,9 +16,9 @@ HEAD_DIM = 16
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-def make_cache(num_blocks, block_size, num_kv_heads, dtype, seed):
+def make_cache(num_blocks, block_size, num_kv_heads, dtype, seed, head_dim=HEAD_DIM):
     gen = torch.Generator().manual_seed(seed)
-    shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
 
 
@@ -35,10 +35,10 @@ def block_tables(context_lens, block_size, num_blocks, seed):
 
 def reference(query, key_cache, value_cache, table, context_len, query_positions, scale, window):
     """float64 attention of queries [Q, H, D] at query_positions over a sequence's first context_len keys."""
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     slots = torch.tensor([table[t // block_size] * block_size + t % block_size for t in range(context_len)])
-    keys = key_cache.reshape(-1, num_kv_heads, HEAD_DIM)[slots].double()
-    values = value_cache.reshape(-1, num_kv_heads, HEAD_DIM)[slots].double()
+    keys = key_cache.reshape(-1, num_kv_heads, head_dim)[slots].double()
+    values = value_cache.reshape(-1, num_kv_heads, head_dim)[slots].double()
     group = query.shape[1] // num_kv_heads
     keys = keys.repeat_interleave(group, dim=1)
     values = values.repeat_interleave(group, dim=1)
@@ -53,17 +53,19 @@ def reference(query, key_cache, value_cache, table, context_len, query_positions
 
 
 def check_decode(context_lens, num_heads, num_kv_heads, block_size, dtype, window=None, num_splits=None,
-                 block_n=16, seed=0):
+                 block_n=16, seed=0, device="cpu", head_dim=HEAD_DIM):
+    """The kernel on device (a GPU for test_gpu_path) against the float64 reference on the CPU."""
     num_blocks = sum(-(-c // block_size) for c in context_lens) + 2
-    key_cache, value_cache = make_cache(num_blocks, block_size, num_kv_heads, dtype, seed)
+    key_cache, value_cache = make_cache(num_blocks, block_size, num_kv_heads, dtype, seed, head_dim)
     tables = block_tables(context_lens, block_size, num_blocks, seed)
     width = max(len(t) for t in tables) + 1  # wider than needed: the kernel must stop at the context
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    query = torch.randn(len(context_lens), num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(seed + 1))
+    query = torch.randn(len(context_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
     query = query.to(dtype)
-    scale = HEAD_DIM ** -0.5
-    out = triton_attention.decode_attention(query, key_cache, value_cache, table, torch.tensor(context_lens),
-                                            scale, window, num_splits=num_splits, block_n=block_n)
+    scale = head_dim ** -0.5
+    out = triton_attention.decode_attention(
+        query.to(device), key_cache.to(device), value_cache.to(device), table.to(device),
+        torch.tensor(context_lens, device=device), scale, window, num_splits=num_splits, block_n=block_n).cpu()
     assert out.dtype == dtype and out.shape == query.shape
     for b, length in enumerate(context_lens):
         expected = reference(query[b:b + 1], key_cache, value_cache, tables[b], length, [length - 1], scale, window)
@@ -105,21 +107,23 @@ def test_decode_num_splits_fills_the_gpu_and_no_more():
     assert triton_attention.decode_num_splits(128, 8, max_keys=1024, num_sms=132) == 1
 
 
-def check_spans(spans, num_heads, num_kv_heads, block_size, dtype, window=None, block_m=16, block_n=16, seed=0):
+def check_spans(spans, num_heads, num_kv_heads, block_size, dtype, window=None, block_m=16, block_n=16, seed=0,
+                device="cpu", head_dim=HEAD_DIM):
     """spans: (query_len, context_len) per span; each span's keys are already in the cache."""
     contexts = [context for _, context in spans]
     num_blocks = sum(-(-c // block_size) for c in contexts) + 2
-    key_cache, value_cache = make_cache(num_blocks, block_size, num_kv_heads, dtype, seed)
+    key_cache, value_cache = make_cache(num_blocks, block_size, num_kv_heads, dtype, seed, head_dim)
     tables = block_tables(contexts, block_size, num_blocks, seed)
     total = sum(q for q, _ in spans)
-    query = torch.randn(total, num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    query = torch.randn(total, num_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     seq_spans, start = [], 0
     for (query_len, context_len), table in zip(spans, tables):
-        seq_spans.append(SequenceSpan(start, query_len, context_len, torch.tensor(table)))
+        seq_spans.append(SequenceSpan(start, query_len, context_len, torch.tensor(table, device=device)))
         start += query_len
-    batch = triton_attention.span_batch(seq_spans, query.device, block_m=block_m)
-    scale = HEAD_DIM ** -0.5
-    out = triton_attention.prefill_attention(query, key_cache, value_cache, batch, scale, window, block_n=block_n)
+    batch = triton_attention.span_batch(seq_spans, torch.device(device), block_m=block_m)
+    scale = head_dim ** -0.5
+    out = triton_attention.prefill_attention(query.to(device), key_cache.to(device), value_cache.to(device), batch,
+                                             scale, window, block_n=block_n).cpu()
     for span, table in zip(seq_spans, tables):
         rows = slice(span.query_start, span.query_start + span.query_len)
         positions = list(range(span.context_len - span.query_len, span.context_len))
@@ -180,3 +184,10 @@ def test_paged_attention_mixed_batch_takes_the_triton_path():
         expected = reference(query[rows], key_cache, value_cache, table, span.context_len, positions, scale, None)
         torch.testing.assert_close(out[rows].double(), expected, atol=2e-5, rtol=2e-5)
     assert meta.span_batch is not None  # built once, reused by the next layers
+
+
+def test_head_dim_128_as_in_the_presets():
+    check_decode([5, 70], num_heads=4, num_kv_heads=1, block_size=16, dtype=torch.bfloat16, num_splits=2,
+                 head_dim=128)
+    check_spans([(20, 20), (7, 40)], num_heads=4, num_kv_heads=1, block_size=16, dtype=torch.bfloat16,
+                head_dim=128)

@@ -114,8 +114,12 @@ def _triton_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     for the decode rows, one prefill launch for all spans."""
     from shared.engine.model import triton_attention  # triton is optional: imported on this path only
 
-    output = torch.empty_like(query)
     num_decode = meta.num_decode_tokens
+    if num_decode and not meta.spans:
+        # A decode-only step (what CUDA graphs replay): no copy into a combined output
+        return triton_attention.decode_attention(query, key_cache, value_cache, meta.decode_block_table,
+                                                 meta.decode_context_lens, scale, sliding_window)
+    output = torch.empty_like(query)
     if num_decode:
         output[:num_decode] = triton_attention.decode_attention(
             query[:num_decode], key_cache, value_cache, meta.decode_block_table, meta.decode_context_lens,
