@@ -121,7 +121,8 @@ class DecodeGraphs:
                 self._forward(batch_size)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a KV transfer thread may touch CUDA while the engine thread captures
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             hidden = self._forward(batch_size)
         if self._pool is None:
             self._pool = graph.pool()

@@ -71,8 +71,10 @@ if triton is not None:
     @triton.jit
     def _dot(a, b, IN_F32: tl.constexpr):
         if IN_F32:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        return tl.dot(a, b)
+            product = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            product = tl.dot(a, b)
+        return product
 
     @triton.jit
     def _decode_split_kernel(
