@@ -95,6 +95,11 @@ def test_decode_sliding_window(num_splits):
                  num_splits=num_splits)
 
 
+def test_decode_split_counts_out_of_range_are_refused():
+    with pytest.raises(ValueError, match="num_splits"):
+        check_decode([4], num_heads=2, num_kv_heads=1, block_size=4, dtype=torch.float32, num_splits=17)
+
+
 def test_decode_more_splits_than_key_tiles():
     # Most splits of the short sequences are empty: the reduction must ignore them.
     check_decode([1, 2, 20], num_heads=2, num_kv_heads=1, block_size=4, dtype=torch.float32, num_splits=8)
@@ -103,7 +108,8 @@ def test_decode_more_splits_than_key_tiles():
 def test_decode_num_splits_fills_the_gpu_and_no_more():
     assert triton_attention.decode_num_splits(1, 8, max_keys=1024, num_sms=132) == 16  # capped
     assert triton_attention.decode_num_splits(1, 8, max_keys=64, num_sms=132) == 1  # one key tile
-    assert triton_attention.decode_num_splits(4, 8, max_keys=4096, num_sms=132) == 8
+    assert triton_attention.decode_num_splits(16, 8, max_keys=4096, num_sms=132) == 4
+    assert triton_attention.decode_num_splits(32, 8, max_keys=2048, num_sms=132) == 2
     assert triton_attention.decode_num_splits(128, 8, max_keys=1024, num_sms=132) == 1
 
 

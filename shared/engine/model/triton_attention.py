@@ -57,11 +57,11 @@ def _num_sms(device_index: int | None) -> int:
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_keys: int, num_sms: int,
                       block_n: int = _DECODE_BLOCK_N) -> int:
-    """How many parts each sequence's keys are split into so the decode fills the GPU: about two
-    programs per SM, no more parts than key tiles. Depends only on shapes known without a device
+    """How many parts each sequence's keys are split into so the decode fills the GPU: about four
+    programs per SM (enough warps in flight to hide memory latency), no more parts than key tiles. Depends only on shapes known without a device
     sync (max_keys: the block table's width in tokens), so a captured CUDA graph keeps it."""
     programs = num_seqs * num_kv_heads
-    wanted = max(1, (2 * num_sms) // max(programs, 1))
+    wanted = max(1, (4 * num_sms) // max(programs, 1))
     tiles = max(1, -(-max_keys // block_n))
     return min(wanted, tiles, _MAX_DECODE_SPLITS)
 
@@ -79,14 +79,15 @@ if triton is not None:
     @triton.jit
     def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-        scale_log2,
+        scale_log2, num_splits,
         stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_tb, stride_ob, stride_oh,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, WINDOW: tl.constexpr, WRITES_OUTPUT: tl.constexpr,
         IN_F32: tl.constexpr,
     ):
         """One (sequence, KV head, split): the GROUP query heads of that KV head over one part of the
-        sequence's keys. With one split it writes the output; otherwise unnormalised partials."""
+        sequence's keys. With one split (WRITES_OUTPUT) it writes the output; otherwise unnormalised
+        partials. num_splits is a runtime value: a new split count compiles nothing new."""
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -94,7 +95,7 @@ if triton is not None:
         first_key = 0
         if WINDOW > 0:
             first_key = tl.maximum(context_len - WINDOW, 0)
-        keys_per_split = tl.cdiv(tl.cdiv(context_len - first_key, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        keys_per_split = tl.cdiv(tl.cdiv(context_len - first_key, num_splits), BLOCK_N) * BLOCK_N
         lo = first_key + split * keys_per_split
         hi = tl.minimum(lo + keys_per_split, context_len)
 
@@ -126,30 +127,30 @@ if triton is not None:
             row_max = new_max
 
         store_mask = head_ok[:, None] & d_ok[None, :]
-        if NUM_SPLITS == 1:
+        if WRITES_OUTPUT:
             out = acc / row_sum[:, None]
             tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=store_mask)
         else:
-            # partials are [B, H, NUM_SPLITS(, D)], contiguous
-            part = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+            # partials are [B, H, num_splits(, D)], contiguous
+            part = (seq * (GROUP * tl.num_programs(1)) + heads) * num_splits + split
             tl.store(part_max_ptr + part, row_max, mask=head_ok)
             tl.store(part_sum_ptr + part, row_sum, mask=head_ok)
             tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=store_mask)
 
     @triton.jit
     def _decode_reduce_kernel(
-        out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, stride_ob, stride_oh, num_heads,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+        out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, stride_ob, stride_oh, num_heads, num_splits,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     ):
         """One (sequence, head): merge its splits' partial softmaxes (an empty split has max -inf)."""
         seq = tl.program_id(0)
         head = tl.program_id(1)
         s = tl.arange(0, BLOCK_S)
-        s_ok = s < NUM_SPLITS
+        s_ok = s < num_splits
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
-        part = (seq * num_heads + head) * NUM_SPLITS + s
+        part = (seq * num_heads + head) * num_splits + s
         maxes = tl.load(part_max_ptr + part, mask=s_ok, other=float("-inf"))
         sums = tl.load(part_sum_ptr + part, mask=s_ok, other=0.0)
         overall = tl.max(maxes, 0)
@@ -238,6 +239,8 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, block_table.shape[1] * block_size,
                                        _num_sms(query.device.index), block_n)
+    if not 1 <= num_splits <= _MAX_DECODE_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {_MAX_DECODE_SPLITS}], got {num_splits}")
     group = num_heads // num_kv_heads
     parts = (num_seqs, num_heads, num_splits)
     # With one split the partials are never written: a one-element placeholder stands in.
@@ -248,18 +251,17 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     block_d = _pow2_at_least(head_dim)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_table, context_lens, out, part_acc, part_max, part_sum,
-        scale * _LOG2E,
+        scale * _LOG2E, num_splits,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=_pow2_at_least(group), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, WINDOW=sliding_window or 0,
+        BLOCK_SIZE=block_size, WINDOW=sliding_window or 0, WRITES_OUTPUT=num_splits == 1,
         IN_F32=_dots_in_float32(query.dtype),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            out, part_acc, part_max, part_sum, out.stride(0), out.stride(1), num_heads,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            out, part_acc, part_max, part_sum, out.stride(0), out.stride(1), num_heads, num_splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(_MAX_DECODE_SPLITS),
         )
     return out
 
