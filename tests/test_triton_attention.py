@@ -1,5 +1,5 @@
 """The Triton paged-attention kernels (the CUDA path) against a float64 reference, run on the CPU in
-Triton's interpreter (conftest sets TRITON_INTERPRET=1 without a GPU): decode rows with ragged
+Triton's interpreter (conftest sets TRITON_INTERPRET=1 without a GPU; with one they run compiled): decode rows with ragged
 contexts and split-K, prefill spans with cached prefixes, GQA ratios, block sizes, bfloat16 and
 float32, sliding windows, and paged_attention's mixed batches through the Triton path."""
 from __future__ import annotations
@@ -13,6 +13,8 @@ from shared.engine.model import triton_attention  # noqa: E402
 from shared.engine.model.attention import AttentionMetadata, SequenceSpan, paged_attention  # noqa: E402
 
 HEAD_DIM = 16
+# Compiled kernels need CUDA tensors; without a GPU, conftest has the interpreter run them on CPU tensors.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
@@ -53,7 +55,7 @@ def reference(query, key_cache, value_cache, table, context_len, query_positions
 
 
 def check_decode(context_lens, num_heads, num_kv_heads, block_size, dtype, window=None, num_splits=None,
-                 block_n=16, seed=0, device="cpu", head_dim=HEAD_DIM):
+                 block_n=16, seed=0, device=DEVICE, head_dim=HEAD_DIM):
     """The kernel on device (a GPU for test_gpu_path) against the float64 reference on the CPU."""
     num_blocks = sum(-(-c // block_size) for c in context_lens) + 2
     key_cache, value_cache = make_cache(num_blocks, block_size, num_kv_heads, dtype, seed, head_dim)
@@ -114,7 +116,7 @@ def test_decode_num_splits_fills_the_gpu_and_no_more():
 
 
 def check_spans(spans, num_heads, num_kv_heads, block_size, dtype, window=None, block_m=16, block_n=16, seed=0,
-                device="cpu", head_dim=HEAD_DIM):
+                device=DEVICE, head_dim=HEAD_DIM):
     """spans: (query_len, context_len) per span; each span's keys are already in the cache."""
     contexts = [context for _, context in spans]
     num_blocks = sum(-(-c // block_size) for c in contexts) + 2
@@ -171,16 +173,18 @@ def test_paged_attention_mixed_batch_takes_the_triton_path():
     width = max(len(t) for t in tables[:3])
     seq_spans, start = [], len(decode_contexts)
     for (query_len, context_len), table in zip(spans, tables[3:]):
-        seq_spans.append(SequenceSpan(start, query_len, context_len, torch.tensor(table)))
+        seq_spans.append(SequenceSpan(start, query_len, context_len, torch.tensor(table, device=DEVICE)))
         start += query_len
     meta = AttentionMetadata(
         slot_mapping=None, num_decode_tokens=len(decode_contexts),
-        decode_block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables[:3]]),
-        decode_context_lens=torch.tensor(decode_contexts), decode_key_mask=None, spans=seq_spans, use_triton=True,
+        decode_block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables[:3]], device=DEVICE),
+        decode_context_lens=torch.tensor(decode_contexts, device=DEVICE), decode_key_mask=None, spans=seq_spans,
+        use_triton=True,
     )
     scale = HEAD_DIM ** -0.5
     # key/value rows are unused on this path: everything is read back from the cache
-    out = paged_attention(query, None, None, key_cache, value_cache, meta, scale)
+    out = paged_attention(query.to(DEVICE), None, None, key_cache.to(DEVICE), value_cache.to(DEVICE), meta,
+                          scale).cpu()
     for b, length in enumerate(decode_contexts):
         expected = reference(query[b:b + 1], key_cache, value_cache, tables[b], length, [length - 1], scale, None)
         torch.testing.assert_close(out[b:b + 1].double(), expected, atol=2e-5, rtol=2e-5)
