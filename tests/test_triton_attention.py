@@ -201,3 +201,57 @@ def test_head_dim_128_as_in_the_presets():
                  head_dim=128)
     check_spans([(20, 20), (7, 40)], num_heads=4, num_kv_heads=1, block_size=16, dtype=torch.bfloat16,
                 head_dim=128)
+
+
+@pytest.mark.parametrize("model_type,window,graphs", [("llama", None, False), ("mistral", 12, True)])
+def test_engine_on_the_triton_path_matches_the_cpu_path(model_type, window, graphs, monkeypatch):
+    """Whole requests through LLMEngine with the runner switched to the Triton path (interpreted here):
+    chunked prefills, prefix-cache hits, n-gram drafts, decodes (also on the graphs' static buffers)
+    and a sliding window give the tokens and logprobs of the CPU path."""
+    if DEVICE != "cpu":
+        pytest.skip("the CPU comparison runs where the kernels are interpreted (test_gpu_path covers CUDA)")
+    import random
+
+    from shared.engine.llm_engine import LLMEngine
+    from shared.engine.model.cuda_graphs import DecodeGraphs
+    from shared.engine.model.generation_config import generation_defaults
+    from shared.engine.model.loader import LoadedModel, random_model
+    from shared.engine.model.model_config import ModelArchConfig
+    from shared.engine.request import SamplingParams
+    from shared.engine.model import runner as runner_module
+    from shared.engine.sched_config import CacheConfig, SchedulerConfig
+
+    # The reference: the gather + SDPA path (no C++ kernel to load: this test stays quick)
+    monkeypatch.setattr(runner_module, "paged_decode_available", lambda *args: False)
+    config = ModelArchConfig(model_type=model_type, vocab_size=300, hidden_size=64, intermediate_size=128,
+                             num_layers=2, num_heads=4, num_kv_heads=2, max_position_embeddings=256,
+                             sliding_window=window, eos_token_id=None, bos_token_id=None)
+    loaded = LoadedModel(config, random_model(config, seed=7), None, generation_defaults((), None))
+    rng = random.Random(1)
+    shared_prefix = [rng.randrange(300) for _ in range(20)]
+    prompts = [shared_prefix + [rng.randrange(300) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
+    prompts.append([5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6])  # repetitive: the n-gram proposer drafts
+    params = [SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0 if i % 2 else 0.9, seed=i, logprobs=1)
+              for i in range(len(prompts))]
+
+    def run(triton_path):
+        scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48, max_model_len=256,
+                                    num_speculative_tokens=2, speculative_method="ngram")
+        engine = LLMEngine(loaded, scheduler, CacheConfig(block_size=4, num_blocks=200), cuda_graphs=False)
+        runner = engine.runner
+        if triton_path:
+            runner._uses_triton = True
+            if graphs:
+                runner.decode_graphs = DecodeGraphs(runner.model, runner.layer_kv, 256 // 4, runner.device,
+                                                    use_triton=True, capture=False, batch_sizes=(1, 2, 4, 8))
+                original = runner.decode_graphs.run
+                runner.decode_graphs.run = lambda *args: graph_steps.append(1) or original(*args)
+        outputs = engine.generate(prompts, params)
+        return [out.token_ids for out in outputs], [[e.logprob for e in out.logprobs] for out in outputs]
+
+    graph_steps = []
+    expected, actual = run(False), run(True)
+    assert bool(graph_steps) == graphs
+    assert actual[0] == expected[0]
+    for got, want in zip(actual[1], expected[1]):
+        assert got == pytest.approx(want, abs=1e-4)
