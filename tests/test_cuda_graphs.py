@@ -147,3 +147,15 @@ def test_large_presets_build_on_the_target_device(monkeypatch):
     monkeypatch.setattr(loader, "LARGE_PRESETS", frozenset())
     load_model("tiny", device="meta")
     assert built_on == ["meta", "cpu"]
+
+
+def test_padding_rows_write_only_the_pad_slot_and_read_one_key():
+    inputs = DecodeInputs(max_batch_size=4, max_blocks_per_seq=3, device=torch.device("cpu"))
+    inputs.input_ids.fill_(5)
+    inputs.slot_mapping.fill_(77)
+    inputs.block_table.fill_(3)
+    inputs.pad(1, 4)
+    assert inputs.input_ids.tolist() == [5, 0, 0, 0]
+    assert inputs.slot_mapping.tolist() == [77, PAD_SLOT, PAD_SLOT, PAD_SLOT]
+    assert inputs.block_table.tolist() == [[3, 3, 3], [0, 0, 0], [0, 0, 0], [0, 0, 0]]
+    assert inputs.context_lens.tolist()[1:] == [1, 1, 1]

@@ -1,5 +1,6 @@
-"""Decode-only forward passes replayed as CUDA graphs: one graph per padded batch size, reading static
-input buffers (token ids, positions, slot mapping, block table, context lengths) that each step fills.
+"""Decode-only forward passes replayed as CUDA graphs: one graph per padded batch size (captured at
+start-up, largest first, on padding rows), reading static input buffers (token ids, positions, slot
+mapping, block table, context lengths) that each step fills.
 
 A batch pads up to the smallest captured size with rows that write their K/V to slot 0 of block 0 (the
 reserved block nobody's table uses) and attend to that one key; batches beyond the largest size run
@@ -56,11 +57,15 @@ class DecodeInputs:
         self.block_table[:n, :width].copy_(meta.decode_block_table)
         self.context_lens[:n].copy_(meta.decode_context_lens)
         if batch_size > n:
-            self.input_ids[n:batch_size].zero_()
-            self.positions[n:batch_size].zero_()
-            self.slot_mapping[n:batch_size].fill_(PAD_SLOT)
-            self.block_table[n:batch_size].zero_()
-            self.context_lens[n:batch_size].fill_(1)
+            self.pad(n, batch_size)
+
+    def pad(self, start: int, end: int) -> None:
+        """Rows start..end become padding: token 0 at position 0, written to PAD_SLOT, seeing only itself."""
+        self.input_ids[start:end].zero_()
+        self.positions[start:end].zero_()
+        self.slot_mapping[start:end].fill_(PAD_SLOT)
+        self.block_table[start:end].zero_()
+        self.context_lens[start:end].fill_(1)
 
     def metadata(self, batch_size: int, use_triton: bool) -> AttentionMetadata:
         """Views of the first batch_size rows: what a graph of that size is captured reading."""
@@ -72,8 +77,9 @@ class DecodeInputs:
 
 
 class DecodeGraphs:
-    """Runs decode-only batches of up to max(batch_sizes) rows on the static buffers, captured per
-    padded size on first use (capture=True, CUDA) or eagerly (capture=False)."""
+    """Runs decode-only batches of up to max(batch_sizes) rows on the static buffers: replaying the graph
+    of their padded size (capture=True, CUDA; capture_all() at start-up, else on first use) or eagerly
+    (capture=False)."""
 
     def __init__(self, model: torch.nn.Module, layer_kv: list[tuple[torch.Tensor, torch.Tensor]],
                  max_blocks_per_seq: int, device: torch.device, *, use_triton: bool, capture: bool,
@@ -87,6 +93,15 @@ class DecodeGraphs:
         self.inputs = DecodeInputs(self.batch_sizes[-1], max_blocks_per_seq, device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None  # one memory pool shared by every captured graph
+
+    def capture_all(self) -> None:
+        """Capture every batch size now, largest first (the smaller graphs reuse its memory pool), on
+        padding rows: what a pod does while starting, so no serving step pays for a capture."""
+        self.inputs.pad(0, self.batch_sizes[-1])
+        with torch.inference_mode():  # as execute_model runs the replays
+            for batch_size in reversed(self.batch_sizes):
+                if batch_size not in self._graphs:
+                    self._graphs[batch_size] = self._capture(batch_size)
 
     def can_run(self, num_decodes: int) -> bool:
         return padded_batch_size(num_decodes, self.batch_sizes) is not None
@@ -112,8 +127,8 @@ class DecodeGraphs:
 
     def _capture(self, batch_size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Warm up on a side stream first (Triton compiles, cuBLAS picks its kernels): a graph may not
-        # record any of that. The buffers hold this step's real rows, so the warm-up writes the same
-        # K/V the replay writes again.
+        # record any of that. The buffers hold padding or this step's real rows, so the warm-up writes
+        # the same K/V the replay writes again.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -115,8 +115,11 @@ class ModelRunner:
         max_blocks = -(-self.max_model_len // self.block_size)
         capture = self.device.type == "cuda"
         logger.info("decode graphs for batch sizes %s (%s)", batch_sizes, "captured" if capture else "eager")
-        return DecodeGraphs(self.model, self.layer_kv, max_blocks, self.device, use_triton=self._uses_triton,
-                            capture=capture, batch_sizes=batch_sizes)
+        graphs = DecodeGraphs(self.model, self.layer_kv, max_blocks, self.device, use_triton=self._uses_triton,
+                              capture=capture, batch_sizes=batch_sizes)
+        if capture:
+            graphs.capture_all()
+        return graphs
 
     def _allocate_kv_cache(self) -> None:
         c = self.config
