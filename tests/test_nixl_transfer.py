@@ -194,6 +194,41 @@ def test_read_without_notif_msg_sends_no_notification(prefill, decode):
     assert prefill.wait_notif(TIMEOUT_S) == (agent.name, [b"after"])
 
 
+def test_write_pushes_exact_bytes_into_the_peer_and_notifies_it():
+    # The push direction (the KV benchmark's WRITE): ours into the peer's blocks, runs merged.
+    source_tensors = _prefill_pool()
+    target_tensors = _decode_pool()
+    with KvTransferAgent(KvTransferAgent.unique_name("writer")) as writer, \
+            KvTransferAgent(KvTransferAgent.unique_name("target")) as target:
+        writer.register_kv_caches(source_tensors)
+        target_source = target.register_kv_caches(target_tensors)
+        writer.add_peer(target_source)
+        local_ids, remote_ids = [3, 4, 5, 9], [20, 21, 22, 1]
+        transfer = writer.write_blocks(target.name, local_ids, remote_ids, notif_msg=b"pushed")
+        assert transfer.op == "WRITE" and transfer.num_runs == 2
+        deadline = time.monotonic() + TIMEOUT_S
+        notifs: dict[str, list[bytes]] = {}
+        while writer.poll(transfer) is TransferState.PENDING or not notifs:
+            notifs = notifs or target.get_notifs()
+            assert time.monotonic() < deadline, "WRITE or its notification did not complete"
+        assert transfer.state is TransferState.DONE and notifs == {writer.name: [b"pushed"]}
+        for written, original in zip(target_tensors, source_tensors):
+            assert torch.equal(written[remote_ids], original[local_ids])
+            assert not written[[b for b in range(DECODE_BLOCKS) if b not in remote_ids]].any()
+        assert writer.num_bytes_written == transfer.num_bytes and writer.num_bytes_read == 0
+        writer.release(transfer)
+        with pytest.raises(ValueError, match="remote_block_ids contains duplicates"):
+            writer.write_blocks(target.name, [0, 1], [2, 2])
+
+
+def test_a_vram_peer_is_refused_by_a_dram_pool(prefill):
+    with KvTransferAgent(KvTransferAgent.unique_name("decode")) as agent:
+        agent.register_kv_caches(_decode_pool())
+        with pytest.raises(KvLayoutMismatchError, match="VRAM, this pool is in DRAM"):
+            agent.add_peer(dataclasses.replace(prefill.source, mem_type="VRAM"))
+        assert not agent.has_peer(prefill.source.agent_name)
+
+
 def test_recommended_environment():
     assert recommended_environment(uses_cuda=False) == {"THP_MEM_ALLOC_ENABLE": "1"}
     assert recommended_environment(uses_cuda=True)["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"

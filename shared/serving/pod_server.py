@@ -19,6 +19,7 @@ from shared.serving.grpc_server import GrpcServer, ServerOptions
 from shared.serving.http_api import HttpServer
 from shared.serving.handle_key import add_handle_key_flags
 from shared.engine.kv_transfer.connector import KVRole
+from shared.engine.kv_transfer.transfer_agent import recommended_environment
 from shared.serving.cpu_limit import default_num_threads
 from shared.serving.metrics import ServiceMetrics, start_metrics_server
 from shared.serving.pod_call import PodCall
@@ -222,6 +223,10 @@ async def run_pod(
     # SYN retry time (about two minutes) instead of failing the pull at its deadline.
     os.environ["UCX_TCP_PORT_RANGE"] = args.kv_port_range
     os.environ.setdefault("UCX_TCP_CONN_NB", "y")
+    # A pod started as `python -m prefill_svc` (the launcher, k8s) skips the CLI's set-up, and on a GPU
+    # without NVLink UCX then routes device-memory READs over TCP; an operator's own value wins.
+    for name, value in recommended_environment(uses_cuda=pod_config.device.startswith("cuda")).items():
+        os.environ.setdefault(name, value)
     for add_to_server, servicer, name in services:
         servicer.use_tracing(tracing)
         server.add_service(add_to_server, servicer, name)

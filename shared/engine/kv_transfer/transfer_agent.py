@@ -47,7 +47,13 @@ Decode pod (the side that reads), once per prefill engine (cache by agent name):
   On CPU pools UCX copies with process_vm_readv (cma) inside read_blocks itself: the call returns
   after the bytes moved (about 1 ms per 8 MiB on a 2-core VM), so post one READ per request.
 
-Memory: tensors may be CPU (registered as "DRAM") or CUDA ("VRAM", with the tensor's device index).
+write_blocks(peer_name, local_block_ids, remote_block_ids, notif_msg) is the mirror (a push into
+  the peer's blocks, polled and released the same way); only the KV transfer benchmark uses it.
+
+Memory: tensors may be CPU (registered as "DRAM") or CUDA ("VRAM", with the tensor's device index;
+nixl_memory_type); KvSource carries both, and a peer whose pool is in the other kind of memory is a
+KvLayoutMismatchError. Two processes on one GPU then move VRAM with UCX's cuda_ipc (the reader
+opens an IPC handle of the peer's allocation and copies on the device).
 Every tensor is [num_blocks, ...] and contiguous, so block b of a tensor is the byte range
 [b * block_bytes, (b + 1) * block_bytes) from its base address. The agent keeps the tensors alive
 until close(): freeing registered memory first corrupts the heap when NIXL tears down.
@@ -56,7 +62,9 @@ from __future__ import annotations
 
 import collections
 import enum
+import importlib
 import logging
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -97,7 +105,7 @@ class UnknownPeerError(KvTransferError):
 
 
 class KvLayoutMismatchError(ValueError):
-    """A peer's KV pool cannot exchange blocks with ours (tensor count or block size differ)."""
+    """A peer's KV pool cannot exchange blocks with ours (memory type, tensor count or block size differ)."""
 
 
 class TransferState(str, enum.Enum):
@@ -108,7 +116,7 @@ class TransferState(str, enum.Enum):
 
 @dataclass
 class KvTransfer:
-    """One posted READ: its accounting, and the NIXL handle until release()."""
+    """One posted READ (or WRITE): its accounting, and the NIXL handle until release()."""
 
     peer_name: str
     notif_msg: bytes  # b"" when no notification was asked for
@@ -120,6 +128,7 @@ class KvTransfer:
     finished_at: float | None = None
     state: TransferState = TransferState.PENDING
     error: str | None = None
+    op: str = "READ"  # READ pulls the peer's blocks into ours; WRITE pushes ours into the peer's
     handle: Any = field(default=None, repr=False)
 
     @property
@@ -151,17 +160,29 @@ class _Pool:
     num_blocks: int
 
 
+def nixl_module_names(torch_cuda_version: str | None) -> tuple[str, ...]:
+    """NIXL's import names, the one built for torch's CUDA major version first.
+
+    The wheels are named after the CUDA major version they were built for (nixl-cu12 imports as
+    nixl_cu12, nixl-cu13 as nixl_cu13); the API is the same. A CPU torch (version None) takes either.
+    """
+    if torch_cuda_version and torch_cuda_version.split(".")[0] == "13":
+        return "nixl_cu13", "nixl_cu12"
+    return "nixl_cu12", "nixl_cu13"
+
+
 def _nixl_api():
-    # Imported lazily so that importing this module stays cheap and torch-free. The wheels are
-    # named after the CUDA major version they were built for; the API is the same.
-    try:
-        from nixl_cu12 import nixl_agent, nixl_agent_config
-    except ImportError:
+    # Imported lazily so that importing this module stays cheap and torch-free: torch's CUDA version
+    # is read only if the caller already imported torch (an engine always has).
+    torch_module = sys.modules.get("torch")
+    torch_cuda_version = getattr(getattr(torch_module, "version", None), "cuda", None)
+    for module_name in nixl_module_names(torch_cuda_version):
         try:
-            from nixl_cu13 import nixl_agent, nixl_agent_config
-        except ImportError as exc:
-            raise KvTransferError("NIXL is not installed (pip install nixl-cu12 or nixl-cu13)") from exc
-    return nixl_agent, nixl_agent_config
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        return module.nixl_agent, module.nixl_agent_config
+    raise KvTransferError("NIXL is not installed (pip install nixl-cu12 or nixl-cu13)")
 
 
 class KvTransferAgent:
@@ -200,6 +221,7 @@ class KvTransferAgent:
         self._open_transfers: list[KvTransfer] = []
         self._notifs: dict[str, collections.deque[bytes]] = {}
         self.num_bytes_read = 0
+        self.num_bytes_written = 0
         self.num_transfers = 0
         self.num_failed_transfers = 0
         self._is_closed = False
@@ -297,6 +319,25 @@ class KvTransferAgent:
         Without it (None), DONE means the bytes have landed. Returns once posted (for CPU pools that
         is after the copy itself, see the module docstring); poll() it.
         """
+        return self._post_blocks("READ", peer_name, remote_block_ids, local_block_ids, notif_msg)
+
+    def write_blocks(
+        self,
+        peer_name: str,
+        local_block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+        notif_msg: bytes | None = None,
+    ) -> KvTransfer:
+        """Post one WRITE of our blocks into the peer's (a push), all layers, contiguous runs merged.
+
+        The mirror of read_blocks: with notif_msg the peer receives it once the bytes have landed
+        there. poll() and release() it the same way. The pull protocol does not use it; the KV
+        transfer benchmark compares both directions with it.
+        """
+        return self._post_blocks("WRITE", peer_name, remote_block_ids, local_block_ids, notif_msg)
+
+    def _post_blocks(self, op: str, peer_name: str, remote_block_ids: Sequence[int],
+                     local_block_ids: Sequence[int], notif_msg: bytes | None) -> KvTransfer:
         self._check_open()
         pool = self._require_pool()
         source = self._peers.get(peer_name)
@@ -304,14 +345,17 @@ class KvTransferAgent:
             raise UnknownPeerError(f"no NIXL peer named {peer_name!r}; add_peer() it first")
         if peer_name in self._failed_peers:
             raise KvTransferError(
-                f"peer {peer_name!r} failed a transfer; add_peer() a fresh KvSource before reading again"
+                f"peer {peer_name!r} failed a transfer; add_peer() a fresh KvSource before transferring again"
             )
         remote_ids = as_block_id_array("remote_block_ids", remote_block_ids)
         local_ids = as_block_id_array("local_block_ids", local_block_ids)
         if len(remote_ids) == 0:
-            raise ValueError("read_blocks needs at least one block id")
+            raise ValueError(f"{op} needs at least one block id")
         _check_block_ids("remote", remote_ids, source.num_blocks)
         _check_block_ids("local", local_ids, pool.num_blocks)
+        if op == "WRITE" and len(np.unique(remote_ids)) != len(remote_ids):
+            # coalescing checks the local ids, a READ's destination; a WRITE's is the remote side.
+            raise ValueError(f"remote_block_ids contains duplicates: {remote_ids.tolist()}")
         runs = coalesce_block_run_arrays(remote_ids, local_ids)
         local_descs = _run_descs(self._local_region_arrays, pool.block_bytes, runs.local_starts, runs.num_blocks)
         remote_descs = _run_descs(self._region_arrays[peer_name], source.block_bytes, runs.remote_starts,
@@ -324,17 +368,18 @@ class KvTransferAgent:
             num_descriptors=len(local_descs),
             num_bytes=int(local_descs[:, 1].sum()),
             started_at=time.monotonic(),
+            op=op,
         )
-        transfer.handle = self._post_read(transfer, pool.mem_type, local_descs, source.mem_type, remote_descs)
+        transfer.handle = self._post(transfer, pool.mem_type, local_descs, source.mem_type, remote_descs)
         self._open_transfers.append(transfer)
         self.num_transfers += 1
         return transfer
 
-    def _post_read(self, transfer: KvTransfer, local_mem: str, local_descs, remote_mem: str, remote_descs):
+    def _post(self, transfer: KvTransfer, local_mem: str, local_descs, remote_mem: str, remote_descs):
         handle = None
         try:
             handle = self._agent.initialize_xfer(
-                "READ",
+                transfer.op,
                 self._agent.get_xfer_descs(local_descs, local_mem),
                 self._agent.get_xfer_descs(remote_descs, remote_mem),
                 transfer.peer_name,
@@ -346,13 +391,13 @@ class KvTransferAgent:
                 _release_quietly(handle)
             self._mark_failed(transfer.peer_name)
             raise KvTransferError(
-                f"posting READ of {transfer.num_blocks} blocks from {transfer.peer_name!r} failed: {exc!r}"
+                f"posting {transfer.op} of {transfer.num_blocks} blocks with {transfer.peer_name!r} failed: {exc!r}"
             ) from exc
         if status == "ERR":
             _release_quietly(handle)
             self._mark_failed(transfer.peer_name)
             raise KvTransferError(
-                f"NIXL rejected the READ of {transfer.num_blocks} blocks from {transfer.peer_name!r}"
+                f"NIXL rejected the {transfer.op} of {transfer.num_blocks} blocks with {transfer.peer_name!r}"
             )
         if status == "DONE":
             self._finish(transfer, TransferState.DONE)
@@ -378,7 +423,7 @@ class KvTransferAgent:
         deadline = time.monotonic() + timeout_s
         while self.poll(transfer) is TransferState.PENDING:
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"READ from {transfer.peer_name!r} still pending after {timeout_s} s")
+                raise TimeoutError(f"{transfer.op} with {transfer.peer_name!r} still pending after {timeout_s} s")
         return transfer.state
 
     def release(self, transfer: KvTransfer) -> bool:
@@ -388,7 +433,8 @@ class KvTransferAgent:
         try:
             transfer.handle.release()
         except Exception:
-            logger.warning("releasing READ from %s failed; still in flight", transfer.peer_name, exc_info=True)
+            logger.warning("releasing %s with %s failed; still in flight", transfer.op, transfer.peer_name,
+                           exc_info=True)
             return False
         if transfer.state is TransferState.PENDING:
             # Abandoned by the caller (deadline), not a failure NIXL reported: the peer stays usable.
@@ -404,8 +450,10 @@ class KvTransferAgent:
         transfer.state = state
         transfer.error = error
         transfer.finished_at = time.monotonic()
-        if state is TransferState.DONE:
+        if state is TransferState.DONE and transfer.op == "READ":
             self.num_bytes_read += transfer.num_bytes
+        elif state is TransferState.DONE:
+            self.num_bytes_written += transfer.num_bytes
         else:
             self._mark_failed(transfer.peer_name)
 
@@ -490,20 +538,37 @@ def _describe_pool(kv_tensors: Sequence["torch.Tensor"]) -> _Pool:
             raise ValueError(f"kv_tensors[{index}] is not contiguous")
     if first.dim() < 1 or first.shape[0] == 0 or first.numel() == 0:
         raise ValueError(f"kv tensors must be [num_blocks, ...] with num_blocks > 0, got {tuple(first.shape)}")
-    if first.device.type == "cpu":
-        mem_type, device_id = "DRAM", 0
-    elif first.device.type == "cuda":
-        mem_type, device_id = "VRAM", first.device.index or 0
-    else:
-        raise ValueError(f"kv tensors on {first.device} cannot be registered with NIXL (cpu or cuda only)")
+    mem_type, device_id = nixl_memory_type(first.device)
     num_bytes = first.numel() * first.element_size()
     regions = tuple(KvRegion(tensor.data_ptr(), num_bytes, device_id) for tensor in kv_tensors)
     return _Pool(mem_type, regions, num_bytes // first.shape[0], first.shape[0])
 
 
+def nixl_memory_type(device: "torch.device") -> tuple[str, int]:
+    """How NIXL names memory on this device: ("DRAM", 0) for the CPU, ("VRAM", index) for a GPU.
+
+    VRAM with the device index lets UCX pick cuda_ipc between processes on one machine (the peer
+    opens an IPC handle of our allocation) instead of staging through host memory.
+    """
+    if device.type == "cpu":
+        return "DRAM", 0
+    if device.type == "cuda":
+        # "cuda" without an index means the current device; torch tensors always carry one.
+        return "VRAM", device.index or 0
+    raise ValueError(f"kv tensors on {device} cannot be registered with NIXL (cpu or cuda only)")
+
+
 def _check_compatible(pool: _Pool, source: KvSource) -> None:
     if source.mem_type not in _MEM_TYPES:
         raise ValueError(f"peer {source.agent_name!r} has unknown memory type {source.mem_type!r}")
+    if source.mem_type != pool.mem_type:
+        # Both sides of the handoff keep KV on the same kind of device (a split deployment runs
+        # prefill and decode pods with the same --device); a mixed pair is a misconfiguration, and
+        # its transfers would stage through host memory even if UCX accepted them.
+        raise KvLayoutMismatchError(
+            f"peer {source.agent_name!r} keeps its KV pool in {source.mem_type}, this pool is in "
+            f"{pool.mem_type}: run prefill and decode pods with the same --device"
+        )
     if len(source.regions) != len(pool.regions):
         raise KvLayoutMismatchError(
             f"peer {source.agent_name!r} has {len(source.regions)} KV tensors, this pool has {len(pool.regions)}"

@@ -1,0 +1,150 @@
+"""Gather scripts/gpu_check.sh's stages into one JSON file (OUT/gpu_check.json) and print it short.
+
+Reads the stage table the script wrote (name, exit status, seconds per line), the tests' summary line,
+the transports UCX chose for the kv stage's READs and WRITEs (its UCX_PROTO_INFO tables),
+and the figures the benchmarks left in OUT: gpu_step.json (bench_gpu_step.py), kv_push_pull.json
+(bench_kv_push_pull.py) and serving.json (serving_sweep.py's sweep.json).
+
+    python scripts/gpu_check_summary.py --stages WORK/stages.tsv --tests-log OUT/tests.log \
+        --kv-log WORK/kv.log --out OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+TIMEOUT_EXIT_CODES = (124, 137)
+UCX_TABLE_ROW = re.compile(r"^\[[^]]*\] \[[^]]*\]\s+\|(.*)\|\s*$")  # a UCX_PROTO_INFO table line
+UCX_RANGE = re.compile(r"^(\d+|\d+\.\.(\d+|inf))$")  # timeout(1) ran out; killed after the grace time
+PYTEST_COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
+
+
+def read_stages(path: Path) -> list[dict]:
+    stages = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        name, exit_code, seconds = line.split("\t")
+        code = int(exit_code)
+        if code == 0:
+            status = "ok"
+        elif code in TIMEOUT_EXIT_CODES:
+            status = "timeout"
+        elif code == 200:  # the script's own code for a stage it did not run
+            status = "skipped"
+        else:
+            status = "failed"
+        stages.append({"name": name, "status": status, "exit_code": code, "seconds": round(float(seconds), 1)})
+    return stages
+
+
+def pytest_counts(log: Path) -> dict[str, int] | None:
+    """The counts of pytest's last summary line ('3 passed, 1 skipped in 9.1s'); None without one."""
+    if not log.exists():
+        return None
+    for line in reversed(log.read_text(errors="replace").splitlines()):
+        counts = {kind.rstrip("s") if kind.startswith("error") else kind: int(n)
+                  for n, kind in PYTEST_COUNTS.findall(line)}
+        if counts and " in " in line:
+            return counts
+    return None
+
+
+def ucx_rma_transports(log: Path) -> list[str]:
+    """From a UCX_PROTO_INFO=y log: 'remote memory read/write ... : transport' for each table UCX printed.
+
+    On one GPU the device-memory READ and WRITE should name cuda_ipc; tcp there is the slow fallback.
+    """
+    if not log.exists():
+        return []
+    found: dict[str, None] = {}
+    title = ""
+    for line in log.read_text(errors="replace").splitlines():
+        match = UCX_TABLE_ROW.match(line)
+        if not match:
+            continue
+        cells = [cell.strip() for cell in match.group(1).split("|")]
+        if len(cells) == 1:
+            title = cells[0] if "remote memory" in cells[0] else ""
+        elif len(cells) == 3 and title and UCX_RANGE.match(cells[0]):
+            found[f"{title}: {cells[2]}"] = None
+    return list(found)
+
+
+def _load(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def kv_figures(report: dict | None) -> dict | None:
+    """Median GB/s per case and way, and the 64 MiB READ target."""
+    if report is None:
+        return None
+    ways = ("read", "read_notif", "write", "write_notif")
+    return {
+        "device": report.get("device"),
+        "gb_per_s_median": {row["case"]: {way: round(row[way]["median_gb_per_s"], 2) for way in ways}
+                            for row in report.get("rows", [])},
+        "target": report.get("target"),
+    }
+
+
+def serving_figures(sweep: dict | None) -> dict | None:
+    """TTFT p50 and TPOT p50 (ms), output tokens/s and failures, per system and rate."""
+    if sweep is None:
+        return None
+    figures = {}
+    for system, runs in sweep.get("runs", {}).items():
+        for run in runs:
+            figures[run.get("label", system)] = {
+                "ttft_p50_ms": (run.get("ttft_ms") or {}).get("p50"),
+                "tpot_p50_ms": (run.get("tpot_ms") or {}).get("p50"),
+                "output_tokens_per_s": run.get("output_throughput"),
+                "num_completed": run.get("num_completed"),
+                "num_failed": run.get("num_failed"),
+                "errors": run.get("errors"),
+            }
+    return figures
+
+
+def summarize(stages_path: Path, tests_log: Path, kv_log: Path, out: Path, mode: str) -> dict:
+    return {
+        "mode": mode,
+        "stages": read_stages(stages_path),
+        "tests": pytest_counts(tests_log),
+        "gpu_step": _load(out / "gpu_step.json"),
+        "kv_transfer": kv_figures(_load(out / "kv_push_pull.json")),
+        "kv_transports": ucx_rma_transports(kv_log),
+        "serving": serving_figures(_load(out / "serving.json")),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=Path, required=True)
+    parser.add_argument("--tests-log", type=Path, required=True)
+    parser.add_argument("--kv-log", type=Path, required=True, help="the kv stage's log (UCX_PROTO_INFO=y)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--mode", default="gpu")
+    args = parser.parse_args()
+    summary = summarize(args.stages, args.tests_log, args.kv_log, args.out, args.mode)
+    (args.out / "gpu_check.json").write_text(json.dumps(summary, indent=1))
+    print("== gpu_check summary")
+    for stage in summary["stages"]:
+        print(f"  {stage['name']:<10} {stage['status']:<8} {stage['seconds']:>6.1f} s")
+    print(f"  tests: {summary['tests']}")
+    if summary["kv_transfer"]:
+        print(f"  kv GB/s (median): {json.dumps(summary['kv_transfer']['gb_per_s_median'])}")
+        print(f"  kv target: {summary['kv_transfer']['target']}")
+    for transport in summary["kv_transports"]:
+        print(f"  UCX: {transport}")
+    if summary["serving"]:
+        for label, figures in summary["serving"].items():
+            print(f"  {label}: TTFT p50 {figures['ttft_p50_ms']} ms, TPOT p50 {figures['tpot_p50_ms']} ms, "
+                  f"{figures['num_completed']} done, {figures['num_failed']} failed")
+
+
+if __name__ == "__main__":
+    main()
