@@ -180,7 +180,8 @@ def main() -> int:
                          cuda_graph_batch_sizes=tuple(sorted({batch for batch, _ in decode_cases})))
     runner_s = time.perf_counter() - started
     timer = Timer(device)
-    print(f"{config.name} {config.dtype} on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}); "
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"{config.name} {config.dtype} on {device} ({device_name}); "
           f"built in {build_s:.1f} s; runner (KV pool, graph captures) {runner_s:.1f} s; attention: "
           f"{runner.attention_backend}; KV pool {num_blocks} blocks of {args.block_size}")
 
@@ -206,9 +207,10 @@ def main() -> int:
               f"{row['median_ms']:10.2f} {row['min_ms']:8.2f} {extra}")
     if args.json:
         result = {"preset": config.name, "dtype": config.dtype, "device": str(device),
-                  "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                  "device_name": device_name,
                   "attention_backend": runner.attention_backend, "block_size": args.block_size,
-                  "build_s": build_s, "runner_s": runner_s, "warmups": args.warmups, "repeats": args.repeats, "rows": rows}
+                  "build_s": build_s, "runner_s": runner_s, "warmups": args.warmups, "repeats": args.repeats,
+                  "rows": rows}
         args.json.write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}")
     return 0

@@ -1,7 +1,8 @@
 """The Triton paged-attention kernels (the CUDA path) against a float64 reference, run on the CPU in
-Triton's interpreter (conftest sets TRITON_INTERPRET=1 without a GPU; with one they run compiled): decode rows with ragged
-contexts and split-K, prefill spans with cached prefixes, GQA ratios, block sizes, bfloat16 and
-float32, sliding windows, and paged_attention's mixed batches through the Triton path."""
+Triton's interpreter (conftest sets TRITON_INTERPRET=1 without a GPU; with one they run compiled):
+decode rows with ragged contexts and split-K, prefill spans with cached prefixes, GQA ratios, block
+sizes, bfloat16 and float32, sliding windows, paged_attention's mixed batches through the Triton path,
+and whole engine runs on it."""
 from __future__ import annotations
 
 import pytest

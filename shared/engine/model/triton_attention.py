@@ -58,8 +58,9 @@ def _num_sms(device_index: int | None) -> int:
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_keys: int, num_sms: int,
                       block_n: int = _DECODE_BLOCK_N) -> int:
     """How many parts each sequence's keys are split into so the decode fills the GPU: about four
-    programs per SM (enough warps in flight to hide memory latency), no more parts than key tiles. Depends only on shapes known without a device
-    sync (max_keys: the block table's width in tokens), so a captured CUDA graph keeps it."""
+    programs per SM (enough warps in flight to hide memory latency), no more parts than key tiles.
+    Depends only on shapes known without a device sync (max_keys: the block table's width in tokens),
+    so a captured CUDA graph keeps it."""
     programs = num_seqs * num_kv_heads
     wanted = max(1, (4 * num_sms) // max(programs, 1))
     tiles = max(1, -(-max_keys // block_n))
