@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from shared.engine.model.model_config import PRESETS
+from shared.engine.model.model_config import LARGE_PRESETS, PRESETS
 from shared.engine.model.preset_files import PRESET_TOKENIZERS as OUT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,6 +51,8 @@ def train(vocab_size: int) -> Tokenizer:
 
 def main() -> None:
     for name, config in PRESETS.items():
+        if name in LARGE_PRESETS:
+            continue  # token ids only
         directory = OUT / name
         directory.mkdir(parents=True, exist_ok=True)
         # Compact JSON: the reserved tokens alone are 22,100 records in the 100m preset.

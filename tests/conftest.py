@@ -1,10 +1,17 @@
 """Fixtures shared across test modules, and the fast lane's collection shortcut."""
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton decides at kernel definition (import) time whether to interpret: without a GPU its kernels
+# run in the interpreter on CPU tensors. Set before any test module imports them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # A module-level `pytestmark = pytest.mark.e2e` (or a list holding it) on one line: every test in the module
 # is e2e.

@@ -93,12 +93,13 @@ class LLMEngine:
     def __init__(self, model: LoadedModel | str | Path, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, connector: KVConnectorBase | None = None, *,
                  dtype: str | None = None, seed: int = 0, num_threads: int | None = None,
-                 ngram_min: int = 1, ngram_max: int = 3, device: str = "cpu"):
+                 ngram_min: int = 1, ngram_max: int = 3, device: str = "cpu", cuda_graphs: bool | None = None):
         """model: a LoadedModel, a built-in preset name ("tiny", "100m") or an HF model directory.
         dtype: "float32", "bfloat16" or "auto"/None (the checkpoint's dtype on a GPU, float32 on the CPU).
         seed: the built-in random weights' seed and the source of unseeded requests' seeds.
         num_threads: torch intra-op threads (None leaves torch's setting alone).
         device: where the model and the KV pool live ("cpu", "cuda", "cuda:1").
+        cuda_graphs: decode steps replayed as CUDA graphs (ModelRunner's option; None: on for CUDA only).
         scheduler_config.max_model_len is capped at the model's max_position_embeddings; ValueError when
         the KV pool cannot hold a request of that length."""
         if num_threads is not None:
@@ -137,7 +138,7 @@ class LLMEngine:
             num_speculative_tokens=scheduler_config.num_speculative_tokens,
             ngram_min=ngram_min, ngram_max=ngram_max, connector=connector,
             max_model_len=scheduler_config.max_model_len, seed=seed, device=device,
-            eos_token_ids=tuple(self.eos_token_ids),
+            eos_token_ids=tuple(self.eos_token_ids), cuda_graphs=cuda_graphs,
         )
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first structured request
         self.last_stats = None  # SchedulerStats of the latest step

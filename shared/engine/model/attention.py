@@ -42,6 +42,25 @@ class AttentionMetadata:
     # decode_key_mask for sliding-window layers (keys before the window masked too); set only for a
     # model with such layers on the gather + SDPA path
     decode_window_key_mask: torch.Tensor | None = None
+    # The Triton kernels serve every row (the CUDA path; the runner sets it, see select_attention_backend)
+    use_triton: bool = False
+    span_batch: object | None = None  # triton_attention.SpanBatch of spans, built by the first layer
+
+
+# The attention paths the runner chooses between once, at start-up.
+CPU_DECODE_KERNEL = "cpu paged decode kernel"
+TRITON = "triton"
+GATHER_SDPA = "gather + SDPA"
+
+
+def select_attention_backend(device_type: str, *, triton_available: bool, cpu_kernel_available: bool) -> str:
+    """CUDA with Triton: the Triton kernels for every row; the CPU with its C++ decode kernel: that kernel
+    for decodes; otherwise gather + SDPA for decodes. Spans take SDPA on every path but Triton's."""
+    if device_type == "cuda" and triton_available:
+        return TRITON
+    if device_type == "cpu" and cpu_kernel_available:
+        return CPU_DECODE_KERNEL
+    return GATHER_SDPA
 
 
 @dataclass
@@ -70,6 +89,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
     sliding_window: the query at position i sees keys i - sliding_window + 1 .. i only (transformers'
     sliding-window mask); the cache still holds every key, so only the masks change."""
+    if meta.use_triton:
+        return _triton_attention(query, key_cache, value_cache, meta, scale, sliding_window)
     output = torch.empty_like(query)
     num_decode = meta.num_decode_tokens
     if num_decode:
@@ -84,6 +105,30 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             continue  # served above, batched with its run
         rows = slice(span.query_start, span.query_start + span.query_len)
         output[rows] = _span_attention(query[rows], key_cache, value_cache, span, scale, sliding_window)
+    return output
+
+
+def _triton_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """Every row read from the cache (this step's K and V are already written): one decode launch
+    for the decode rows, one prefill launch for all spans."""
+    from shared.engine.model import triton_attention  # triton is optional: imported on this path only
+
+    num_decode = meta.num_decode_tokens
+    if num_decode and not meta.spans:
+        # A decode-only step (what CUDA graphs replay): no copy into a combined output
+        return triton_attention.decode_attention(query, key_cache, value_cache, meta.decode_block_table,
+                                                 meta.decode_context_lens, scale, sliding_window)
+    output = torch.empty_like(query)
+    if num_decode:
+        output[:num_decode] = triton_attention.decode_attention(
+            query[:num_decode], key_cache, value_cache, meta.decode_block_table, meta.decode_context_lens,
+            scale, sliding_window)
+    if meta.spans:
+        if meta.span_batch is None:
+            meta.span_batch = triton_attention.span_batch(meta.spans, query.device)
+        triton_attention.prefill_attention(query, key_cache, value_cache, meta.span_batch, scale,
+                                           sliding_window, out=output)
     return output
 
 

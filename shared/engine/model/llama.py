@@ -44,10 +44,10 @@ def rope_inverse_frequencies(config: ModelArchConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_position_embeddings, looked up per token."""
 
-    def __init__(self, config: ModelArchConfig):
+    def __init__(self, config: ModelArchConfig, device: torch.device | str = "cpu"):
         super().__init__()
-        inv_freq = rope_inverse_frequencies(config)
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        inv_freq = rope_inverse_frequencies(config).to(device)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=device)
         freqs = positions.unsqueeze(1) * inv_freq.unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)
         dtype = config.torch_dtype
@@ -72,9 +72,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device | str = "cpu"):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,13 +85,17 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> Linear:
+def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+            device: torch.device | str) -> Linear:
+    # Built on "meta" then allocated uninitialised: the loader overwrites every weight anyway.
     layer = Linear(in_features, out_features, bias=bias, dtype=dtype, device="meta")
-    return layer.to_empty(device="cpu").requires_grad_(False)
+    if torch.device(device).type != "meta":
+        layer = layer.to_empty(device=device)
+    return layer.requires_grad_(False)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchConfig, layer: int):
+    def __init__(self, config: ModelArchConfig, layer: int, device: torch.device | str = "cpu"):
         super().__init__()
         dtype = config.torch_dtype
         self.num_heads = config.num_heads
@@ -101,17 +105,19 @@ class DecoderLayer(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
         self.sliding_window = config.layer_sliding_window(layer)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.qkv_proj = _linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, dtype)
-        self.o_proj = _linear(self.q_size, config.hidden_size, config.o_proj_bias, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.qkv_proj = _linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, dtype,
+                                device)
+        self.o_proj = _linear(self.q_size, config.hidden_size, config.o_proj_bias, dtype, device)
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
         else:
             self.q_norm = self.k_norm = None
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, dtype)
-        self.down_proj = _linear(config.intermediate_size, config.hidden_size, config.mlp_bias, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, dtype,
+                                    device)
+        self.down_proj = _linear(config.intermediate_size, config.hidden_size, config.mlp_bias, dtype, device)
         self.intermediate_size = config.intermediate_size
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -146,20 +152,23 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embeddings, decoder layers, final norm and LM head; forward returns hidden states."""
 
-    def __init__(self, config: ModelArchConfig):
+    def __init__(self, config: ModelArchConfig, device: torch.device | str = "cpu"):
+        """device: where the (uninitialised) weights are allocated; "meta" allocates nothing (shapes only)."""
         super().__init__()
         self.config = config
         dtype = config.torch_dtype
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device="meta")
-        self.embed_tokens = self.embed_tokens.to_empty(device="cpu").requires_grad_(False)
-        self.rotary = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if torch.device(device).type != "meta":
+            self.embed_tokens = self.embed_tokens.to_empty(device=device)
+        self.embed_tokens.requires_grad_(False)
+        self.rotary = RotaryEmbedding(config, device)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, device) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head_packed: torch.Tensor | None = None  # set by pack_weights()
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype)
+            self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, device)
 
     def pack_weights(self) -> None:
         """Reorder every linear weight (and the LM head) once for the CPU matmul library; call after

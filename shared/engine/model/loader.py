@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shared.engine.model.generation_config import GENERATION_CONFIG_AUTO, GenerationDefaults, generation_defaults
-from shared.engine.model.model_config import PRESETS, ModelArchConfig, preset
+from shared.engine.model.model_config import LARGE_PRESETS, PRESETS, ModelArchConfig, preset
 from shared.engine.model.llama import LlamaModel
 from shared.engine.model.preset_files import preset_tokenizer_dir
 from shared.engine.tokenizer import load_tokenizer
@@ -42,7 +42,7 @@ def load_model(source: str | Path, dtype: str | None = DTYPE_AUTO, seed: int = 0
     generation_config: "auto" takes generation_config.json's sampling defaults, "vllm" ignores them."""
     requested = dtype
     dtype = _resolve_dtype(dtype, device)
-    loaded = _load(source, dtype, seed, generation_config)
+    loaded = _load(source, dtype, seed, device, generation_config)
     how = "as asked" if requested not in (None, DTYPE_AUTO) else f"auto on {torch.device(device).type}"
     logger.info("model %s: dtype %s (%s)", loaded.config.name, loaded.config.dtype, how)
     return loaded
@@ -57,13 +57,17 @@ def _resolve_dtype(dtype: str | None, device: torch.device | str) -> str | None:
     return dtype
 
 
-def _load(source: str | Path, dtype: str | None, seed: int, generation_config: str) -> LoadedModel:
+def _load(source: str | Path, dtype: str | None, seed: int, device: torch.device | str,
+          generation_config: str) -> LoadedModel:
     if isinstance(source, str) and source in PRESETS:
-        config = preset(source, dtype or "float32")
-        # The presets ship their own tokenizer, so the built-in models take text.
+        config = preset(source, dtype)
+        # The presets ship their own tokenizer, so the built-in models take text (the large ones: ids only).
         directory = preset_tokenizer_dir(source)
         tokenizer = load_tokenizer(directory) if directory is not None else None
-        return LoadedModel(config=config, model=random_model(config, seed), tokenizer=tokenizer,
+        # A large preset is built where it runs (no CPU copy of its weights); the others on the CPU,
+        # so a preset has the same weights on every device.
+        build_on = device if source in LARGE_PRESETS else "cpu"
+        return LoadedModel(config=config, model=random_model(config, seed, build_on), tokenizer=tokenizer,
                            generation=generation_defaults(config.eos_token_ids, None, generation_config))
     path = Path(source)
     if not path.is_dir():
@@ -78,18 +82,21 @@ def _load(source: str | Path, dtype: str | None, seed: int, generation_config: s
                        generation=generation_defaults(config.eos_token_ids, path, generation_config))
 
 
-def random_model(config: ModelArchConfig, seed: int) -> LlamaModel:
-    """Deterministic random weights: the same (config, seed) gives the same model in any process."""
-    model = LlamaModel(config)
-    generator = torch.Generator().manual_seed(seed)
+def random_model(config: ModelArchConfig, seed: int, device: torch.device | str = "cpu") -> LlamaModel:
+    """Deterministic random weights, allocated and drawn on device: the same (config, seed, device type)
+    gives the same model in any process (CPU and CUDA generators draw different values)."""
+    model = LlamaModel(config, device)
+    generator = torch.Generator(device=device).manual_seed(seed)
     for name, tensor in sorted(model.state_dict().items()):
         if name.startswith("rotary."):
             continue
+        # One tensor's float32 draw at a time: the 8B preset's largest (the embedding) is 2 GB.
+        values = torch.randn(tensor.shape, generator=generator, device=tensor.device)
         if name.endswith("norm.weight"):
             # Not all ones, so a wrong norm weight shows up in the parity tests.
-            values = 1.0 + 0.1 * torch.randn(tensor.shape, generator=generator)
+            values = 1.0 + 0.1 * values
         else:
-            values = INIT_STD * torch.randn(tensor.shape, generator=generator)
+            values = INIT_STD * values
         tensor.copy_(values.to(tensor.dtype))
     return model.eval()
 

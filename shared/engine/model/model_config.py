@@ -1,6 +1,6 @@
 """Model architecture config (Llama, Mistral, Qwen2, Qwen3) parsed from a Hugging Face config.json, plus presets.
 
-The presets ("tiny", "100m") are the built-in random-weight models; "tiny" is the default.
+The presets ("tiny", "100m", "llama3-8b") are the built-in random-weight models; "tiny" is the default.
 """
 from __future__ import annotations
 
@@ -258,10 +258,24 @@ PRESETS: dict[str, ModelArchConfig] = {
         name="100m", vocab_size=32000, hidden_size=768, intermediate_size=2048,
         num_layers=12, num_heads=12, num_kv_heads=4, max_position_embeddings=2048,
     ),
+    # Llama-3.1-8B's shapes, rope and token ids (its config.json), for GPU benchmarks; bfloat16 like the
+    # checkpoint. A serving max_model_len can be smaller than its positions.
+    "llama3-8b": ModelArchConfig(
+        name="llama3-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+        max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001, dtype="bfloat16",
+    ),
 }
 
+# Presets too big to draw on the CPU (8 billion values) or to ship a tokenizer for: the loader draws
+# their weights on the target device (so they differ between devices), and they take token ids only.
+LARGE_PRESETS = frozenset({"llama3-8b"})
 
-def preset(name: str, dtype: str = "float32") -> ModelArchConfig:
+
+def preset(name: str, dtype: str | None = None) -> ModelArchConfig:
+    """dtype: None keeps the preset's own (float32, bfloat16 for llama3-8b)."""
     if name not in PRESETS:
         raise ValueError(f"unknown built-in model {name!r} (choose from {sorted(PRESETS)})")
-    return PRESETS[name].with_dtype(dtype)
+    return PRESETS[name] if dtype is None else PRESETS[name].with_dtype(dtype)

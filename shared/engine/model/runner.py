@@ -12,7 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.kv_transfer.connector import KVConnectorBase
-from shared.engine.model.attention import AttentionMetadata, OutputRows, SequenceSpan
+from shared.engine.model.attention import (
+    CPU_DECODE_KERNEL, TRITON, AttentionMetadata, OutputRows, SequenceSpan, select_attention_backend,
+)
+from shared.engine.model.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from shared.engine.grammar import allocate_bitmask, allowed_from_bitmask
 from shared.engine.model.loader import LoadedModel
 from shared.engine.model.paged_decode import paged_decode_available
@@ -22,6 +25,13 @@ from shared.engine.request import SamplingParams
 from shared.engine.sched.output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+def _triton_importable() -> bool:
+    """Triton is optional and imported only when asked here (on CUDA): a CPU pod never loads it."""
+    from shared.engine.model.triton_attention import triton_available
+
+    return triton_available()
 
 
 @dataclass
@@ -51,9 +61,13 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, *,
                  num_speculative_tokens: int = 0, ngram_min: int = 1, ngram_max: int = 3,
                  connector: KVConnectorBase | None = None, max_model_len: int | None = None, seed: int = 0,
-                 device: torch.device | str = "cpu", eos_token_ids: tuple[int, ...] = ()):
+                 device: torch.device | str = "cpu", eos_token_ids: tuple[int, ...] = (),
+                 cuda_graphs: bool | None = None, cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES):
         """device: where the KV pool and every input live; the model must already be there.
-        eos_token_ids: held back (with each request's stop tokens) until the request's min_tokens."""
+        eos_token_ids: held back (with each request's stop tokens) until the request's min_tokens.
+        cuda_graphs: replay decode-only steps of up to max(cuda_graph_batch_sizes) requests as CUDA
+        graphs; None: on for CUDA, off elsewhere (True on the CPU runs the same padded static-buffer
+        forward eagerly, which is how the tests check it)."""
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = torch.device(device)
         if num_blocks < 1 or block_size < 1:
@@ -62,9 +76,13 @@ class ModelRunner:
         # Build (or load the cached build of) the decode kernel now, while the pod is still starting,
         # not on the first decode step (a cold build takes about 10 s on 2 cores). Without it, decodes
         # take the gather + SDPA path, which needs a key mask.
-        self._uses_decode_kernel = paged_decode_available(self.config.torch_dtype, self.device)
-        logger.info("decode attention path: %s", "paged decode kernel" if self._uses_decode_kernel
-                    else f"gather + SDPA (no paged kernel for {self.config.torch_dtype} on {self.device.type})")
+        self.attention_backend = select_attention_backend(
+            self.device.type, triton_available=self.device.type == "cuda" and _triton_importable(),
+            cpu_kernel_available=paged_decode_available(self.config.torch_dtype, self.device))
+        self._uses_decode_kernel = self.attention_backend == CPU_DECODE_KERNEL
+        self._uses_triton = self.attention_backend == TRITON
+        logger.info("attention path: %s (%s on %s)", self.attention_backend, self.config.torch_dtype,
+                    self.device.type)
         self.model = loaded.model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -83,6 +101,25 @@ class ModelRunner:
         self._allocate_kv_cache()
         if connector is not None:
             connector.register_kv_caches(self.kv_caches)
+        self.decode_graphs = self._make_decode_graphs(cuda_graphs, cuda_graph_batch_sizes)
+
+    def _make_decode_graphs(self, cuda_graphs: bool | None, batch_sizes: tuple[int, ...]) -> DecodeGraphs | None:
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        if not cuda_graphs:
+            return None
+        if not (self._uses_triton or self._uses_decode_kernel):
+            # The gather + SDPA decode sizes its key mask by each step's widest table: nothing static.
+            logger.warning("CUDA graphs off: the %s decode path cannot be captured", self.attention_backend)
+            return None
+        max_blocks = -(-self.max_model_len // self.block_size)
+        capture = self.device.type == "cuda"
+        logger.info("decode graphs for batch sizes %s (%s)", batch_sizes, "captured" if capture else "eager")
+        graphs = DecodeGraphs(self.model, self.layer_kv, max_blocks, self.device, use_triton=self._uses_triton,
+                              capture=capture, batch_sizes=batch_sizes)
+        if capture:
+            graphs.capture_all()
+        return graphs
 
     def _allocate_kv_cache(self) -> None:
         c = self.config
@@ -213,7 +250,10 @@ class ModelRunner:
         meta.slot_mapping = self._ids(slots)
         logit_rows, sample_slices, prompt_slices = self._select_logit_rows(scheduled)
         output_rows, hidden_rows = self._output_rows(scheduled, meta, logit_rows)
-        hidden = self.model(ids_t, pos_t, self.layer_kv, meta, output_rows)
+        if self._graph_runs(meta, output_rows):
+            hidden = self.decode_graphs.run(ids_t, pos_t, meta)
+        else:
+            hidden = self.model(ids_t, pos_t, self.layer_kv, meta, output_rows)
         if not logit_rows:
             return {}, {}, {}
         logits = self.model.compute_logits(hidden[self._ids(hidden_rows)])
@@ -226,6 +266,11 @@ class ModelRunner:
                 lps[r.req_id] = prompt_logprobs(logits[first:first + count], targets,
                                                 r.state.sampling_params.prompt_logprobs)
         return sampled, lps, sampled_lps
+
+    def _graph_runs(self, meta: AttentionMetadata, output_rows: OutputRows | None) -> bool:
+        """A decode-only step (every row kept) small enough for the largest graph."""
+        return (self.decode_graphs is not None and not meta.spans and output_rows is None
+                and self.decode_graphs.can_run(meta.num_decode_tokens))
 
     def _select_logit_rows(self, scheduled: list[_ScheduledRequest]):
         """Rows to turn into logits: the last (drafts + 1) rows of a sampling request, and the rows that
@@ -283,7 +328,7 @@ class ModelRunner:
         keep_meta = AttentionMetadata(
             slot_mapping=None, num_decode_tokens=num_decodes, decode_block_table=meta.decode_block_table,
             decode_context_lens=meta.decode_context_lens, decode_key_mask=meta.decode_key_mask, spans=spans,
-            decode_window_key_mask=meta.decode_window_key_mask,
+            decode_window_key_mask=meta.decode_window_key_mask, use_triton=meta.use_triton,
         )
         rows = self._ids(kept_rows)
         return OutputRows(rows=rows, meta=keep_meta), [position[row] for row in logit_rows]
@@ -297,7 +342,7 @@ class ModelRunner:
             width = max(-(-c // bs) for c in context)
             table = self._ids([(r.state.block_ids[:width] + [0] * width)[:width] for r in decodes])
             lens = self._ids(context)
-            if not self._uses_decode_kernel:
+            if not (self._uses_decode_kernel or self._uses_triton):
                 mask = self._decode_key_mask(lens, width * bs)
                 if self.config.has_sliding_window:
                     window_mask = self._decode_key_mask(lens, width * bs, self.config.sliding_window)
@@ -311,7 +356,7 @@ class ModelRunner:
             row += n
         return AttentionMetadata(slot_mapping=None, num_decode_tokens=len(decodes), decode_block_table=table,
                                  decode_context_lens=lens, decode_key_mask=mask, spans=spans,
-                                 decode_window_key_mask=window_mask)
+                                 decode_window_key_mask=window_mask, use_triton=self._uses_triton)
 
     def _decode_key_mask(self, context_lens: torch.Tensor, num_keys: int,
                          sliding_window: int | None = None) -> torch.Tensor:

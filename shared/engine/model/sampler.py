@@ -49,9 +49,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     if rows:
         logits = process_logits(logits, rows, [params[i] for i in rows], [histories[i] for i in rows])
     tokens = logits.argmax(dim=-1).tolist()
-    for row, p in enumerate(params):
-        if not p.is_greedy:
-            tokens[row] = sample_row(logits[row], p, seeds[row], positions[row])
+    random_rows = [row for row, p in enumerate(params) if not p.is_greedy]
+    if random_rows:
+        # The draws run on the CPU (sample_row): one device-to-host copy for all rows, not a sync per row.
+        on_host = logits if logits.device.type == "cpu" else logits[random_rows].cpu()
+        for i, row in enumerate(random_rows):
+            row_logits = on_host[row] if on_host is logits else on_host[i]
+            tokens[row] = sample_row(row_logits, params[row], seeds[row], positions[row])
     return tokens
 
 

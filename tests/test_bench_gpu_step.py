@@ -1,0 +1,51 @@
+"""benchmarks/bench_gpu_step.py: its CPU smoke run on the tiny preset (every case runs through the real
+runner and lands in the JSON), its refusals, and the prefill FLOP count it rates the GPU by."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared.engine.model.model_config import preset
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_gpu_step.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_gpu_step", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prefill_flops_of_llama3_8b(bench):
+    flops = bench.prefill_flops(preset("llama3-8b"), 2048)
+    # 2 x 6.98e9 layer parameters x 2,048 tokens, plus causal attention and one logit row.
+    layer_params = 32 * (4096 * 6144 + 4096 * 4096 + 4096 * 28672 + 14336 * 4096)
+    attention = 32 * 4 * 32 * 128 * 2048 * 2049 / 2
+    assert flops == pytest.approx(2 * layer_params * 2048 + attention + 2 * 4096 * 128256)
+
+
+def test_cpu_smoke_run_writes_every_case(bench, tmp_path, monkeypatch):
+    out = tmp_path / "step.json"
+    monkeypatch.setattr(sys, "argv", ["bench_gpu_step.py", "--device", "cpu", "--preset", "tiny", "--quick",
+                                      "--warmups", "1", "--repeats", "2", "--json", str(out)])
+    assert bench.main() == 0
+    result = json.loads(out.read_text())
+    cases = [row["case"] for row in result["rows"]]
+    assert cases == ["decode batch 1", "decode batch 4", "decode batch 8", "prefill 128 tokens"]
+    assert all(row["median_ms"] > 0 for row in result["rows"])
+
+
+def test_refuses_without_a_gpu_or_with_the_8b_on_the_cpu(bench, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_gpu_step.py", "--device", "cpu"])
+    assert bench.main() == 2
+    assert "for the GPU" in capsys.readouterr().err
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["bench_gpu_step.py"])
+    assert bench.main() == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
