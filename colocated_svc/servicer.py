@@ -102,5 +102,5 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
                 request, encode, no_tokenizer_hint="serve a model directory with tokenizer.json (or pass --tokenizer)"
             )
             prompt = convert.token_ids_from_proto(prompt, name="prompt token_ids", vocab_size=self.pod.vocab_size)
-            self.pod.check_prompt_fits(len(prompt), sampling.max_tokens)
+            sampling = self.pod.fill_sampling(sampling, len(prompt))
         return prompt, sampling

@@ -83,7 +83,9 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
             with invalid_on_value_error():
                 work = convert.decode_request_from_proto(request, vocab_size=self.pod.vocab_size)
                 # Generated tokens count against max_tokens, so prompt + max_tokens bounds the whole sequence.
-                self.pod.check_prompt_fits(len(work.prompt_token_ids), work.sampling.max_tokens)
+                sampling = self.pod.fill_sampling(work.sampling, len(work.prompt_token_ids))
+                work = dataclasses.replace(work, sampling=sampling)
+                convert.check_room_to_decode(work.generated_token_ids, work.sampling)
             call.span.set_attribute(SpanAttr.REQUEST_ID, work.request_id)
             call.span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(work.prompt_token_ids))
             traced = None

@@ -51,7 +51,8 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
         async with await self.start_call(context, "prefill") as call:
             with invalid_on_value_error():
                 work = convert.prefill_request_from_proto(request, vocab_size=self.pod.vocab_size)
-                self.pod.check_prompt_fits(len(work.prompt_token_ids), work.sampling.max_tokens)
+                sampling = self.pod.fill_sampling(work.sampling, len(work.prompt_token_ids))
+                work = dataclasses.replace(work, sampling=sampling)
             call.span.set_attribute(SpanAttr.REQUEST_ID, work.request_id)
             call.span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(work.prompt_token_ids))
             # Token 1 only: the rest is the decode pod's. The original params decide the handoff.

@@ -102,7 +102,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             span = trace.get_current_span()
             span.set_attribute("pdserve.request_id", pod_request_id)
             span.set_attribute("pdserve.num_prompt_tokens", len(prompt_ids))
-            span.set_attribute("pdserve.max_tokens", sampling.max_tokens)
+            if "max_tokens" not in sampling.unset:  # else the pods fill it from the checkpoint
+                span.set_attribute("pdserve.max_tokens", sampling.max_tokens)
             remaining = context.time_remaining()
             deadline = _Deadline(self._config.request_timeout_s if remaining is None else remaining)
             if sampling.n == 1:
@@ -137,11 +138,13 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         except ValueError as exc:
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         # Refused here rather than shipped to a pod that would refuse it (a huge prompt costs every hop).
+        # An unset max_tokens is the pods' to fill (the checkpoint's max_new_tokens fits the room left).
+        max_tokens = 1 if "max_tokens" in sampling.unset else sampling.max_tokens
         max_model_len = self.max_model_len
-        if max_model_len is not None and len(prompt_ids) + sampling.max_tokens > max_model_len:
+        if max_model_len is not None and len(prompt_ids) + max_tokens > max_model_len:
             raise RouteError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"the prompt has {len(prompt_ids)} tokens and max_tokens is {sampling.max_tokens}; the model's "
+                f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}; the model's "
                 f"maximum length is {max_model_len}: shorten the prompt or lower max_tokens",
             )
         return prompt_ids, sampling
@@ -371,7 +374,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         backoff = Backoff(self._config.decode_admit_timeout_s)
         last_error = None
         while True:
-            if len(generated) >= sampling.max_tokens:
+            if "max_tokens" not in sampling.unset and len(generated) >= sampling.max_tokens:
                 # A pod died right after the last token but before saying so: the request is complete.
                 yield [], FinishReason.LENGTH, []
                 return

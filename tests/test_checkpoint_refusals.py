@@ -90,9 +90,18 @@ def test_generation_config_adds_eos_ids_and_sampling_defaults(checkpoint, free_r
     filled = engine.generation.fill(SamplingParams(temperature=1.0, top_k=3, unset={"temperature", "top_p"}))
     assert (filled.temperature, filled.top_p, filled.top_k, filled.repetition_penalty, filled.unset) == \
         (0.7, 0.9, 3, 1.0, frozenset())
+    # max_new_tokens is a default, not a cap (vLLM's get_max_tokens since its PR 34063): an unset
+    # max_tokens takes it within the room the prompt leaves (at least 1); a named one stays.
+    silent = SamplingParams(max_tokens=200, unset={"max_tokens"})
+    assert [engine.generation.fill(silent, room).max_tokens for room in (100, 5, 0)] == [12, 5, 1]
+    assert engine.generation.fill(SamplingParams(max_tokens=200), room=300).max_tokens == 200
+    assert "max_tokens=12 (for requests that name none" in engine.generation.describe()
+    [out] = engine.generate([PROMPT], SamplingParams(ignore_eos=True, unset={"max_tokens"}))
+    assert len(out.token_ids) == 12
     # --generation-config vllm: the file's sampling is ignored, its EOS ids still end requests.
     ignored = load_model(path, generation_config="vllm").generation
     assert (ignored.sampling, ignored.eos_token_ids) == ({}, engine.eos_token_ids)
+    assert ignored.fill(silent, room=100).max_tokens == 200  # the request's fallback
     # do_sample false means greedy, whatever temperature the file names (transformers' reading).
     (path / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.7}))
     assert load_model(path).generation.sampling_params().is_greedy

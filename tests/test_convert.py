@@ -31,6 +31,19 @@ def test_sampling_params_defaults_when_unset():
     assert all(message.HasField(name) for name in MODEL_DEFAULT_FIELDS)
 
 
+def test_unset_max_tokens_travels_with_its_fallback():
+    # The OpenAI front's chat falls back to the rest of the context, pdserve's gRPC to 16 (sent as 0).
+    chat = SamplingParams(max_tokens=200, unset={"max_tokens"})
+    message = convert.sampling_params_to_proto(chat)
+    assert not message.HasField("max_tokens") and message.fallback_max_tokens == 200
+    assert convert.sampling_params_from_proto(message) == chat
+    silent = SamplingParams(unset={"max_tokens"})
+    message = convert.sampling_params_to_proto(silent)
+    assert not message.HasField("max_tokens") and message.fallback_max_tokens == 0
+    assert convert.sampling_params_from_proto(message) == silent
+    assert convert.sampling_params_from_proto(common_pb2.SamplingParams(fallback_max_tokens=9)).max_tokens == 9
+
+
 def test_unset_sampling_fields_round_trip_with_their_fallback():
     # The OpenAI front's unset temperature falls back to 1, pdserve's to 0; an explicit field is not unset.
     for fallback in (0.0, 1.0):
@@ -183,6 +196,9 @@ def test_decode_payloads():
     done = convert.decode_request_to_proto(wire.DecodeInput("r", [1], list(range(8)), params))
     with pytest.raises(ValueError, match="leave nothing to decode"):
         convert.decode_request_from_proto(done)
+    # An unset max_tokens is the decode pod's to fill first (the checkpoint's may exceed the fallback).
+    unfilled = wire.DecodeInput("r", [1], list(range(8)), SamplingParams(unset={"max_tokens"}))
+    assert convert.decode_request_from_proto(convert.decode_request_to_proto(unfilled)) == unfilled
 
     chunk = wire.DecodeChunk([1, 2], FinishReason.LENGTH,
                                 convert.KvPullStats(10, 1, 0, 0.1, convert.KvPullOutcome.NO_HANDLE))

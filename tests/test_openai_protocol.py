@@ -36,11 +36,20 @@ def test_sampling_fields_map_onto_sampling_params():
     })
     assert params == SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3,
                                     stop_token_ids=(9, 11), ignore_eos=True, unset={"repetition_penalty"})
-    # Where the request is silent: the model's defaults (filled by the pod), else OpenAI's; vLLM's top_k
-    # -1 is "off"; chat's newer max name.
-    assert oai.sampling_params_from_openai({}) == SamplingParams(temperature=1.0, unset=MODEL_DEFAULT_FIELDS)
+    # Where the request is silent: the model's defaults (filled by the pod), else OpenAI's (completions'
+    # max_tokens is 16 as if sent, as in vLLM); vLLM's top_k -1 is "off"; chat's newer max name.
+    assert oai.sampling_params_from_openai({}) == SamplingParams(
+        temperature=1.0, unset=MODEL_DEFAULT_FIELDS - {"max_tokens"})
     assert oai.sampling_params_from_openai({"top_k": -1, "max_completion_tokens": 5}).top_k == 0
     assert oai.sampling_params_from_openai({"max_completion_tokens": 5}).max_tokens == 5
+
+
+def test_chat_without_max_tokens_leaves_it_to_the_model_with_the_rest_of_the_context_behind():
+    # vLLM: chat's max_tokens is generation_config.json's max_new_tokens, else the rest of the context.
+    silent = oai.sampling_params_from_openai({}, is_chat=True, default_max_tokens=200)
+    assert "max_tokens" in silent.unset and silent.max_tokens == 200
+    named = oai.sampling_params_from_openai({"max_tokens": 7}, is_chat=True, default_max_tokens=200)
+    assert "max_tokens" not in named.unset and named.max_tokens == 7
 
 
 @pytest.mark.parametrize("body,needle", [

@@ -155,7 +155,9 @@ class LLMEngine:
             raise ValueError(
                 f"request {request.request_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
             )
-        request.sampling_params = self.generation.fill(request.sampling_params)
+        room = self.scheduler_config.max_model_len - len(request.prompt_token_ids)
+        request.sampling_params = self.generation.fill(request.sampling_params, room)
+        request.max_tokens = request.sampling_params.max_tokens
         if len(self.eos_token_ids) > 1:
             request.add_eos_token_ids(self.eos_token_ids[1:])
         spec = request.sampling_params.structured_output

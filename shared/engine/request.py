@@ -23,15 +23,17 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS = 100.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
-# The fields a model's generation_config.json may give defaults for (vLLM's --generation-config auto).
-MODEL_DEFAULT_FIELDS = frozenset({"temperature", "top_p", "top_k", "repetition_penalty"})
+DEFAULT_MAX_TOKENS = 16  # max_tokens when neither the request nor the model names one
+# The fields a model's generation_config.json may give defaults for (vLLM's --generation-config auto);
+# max_tokens is its max_new_tokens.
+MODEL_DEFAULT_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "repetition_penalty"})
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Validated on construction (ValueError says what is wrong)."""
 
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     temperature: float = 0.0  # 0 means greedy

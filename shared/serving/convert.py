@@ -12,7 +12,8 @@ from proto.pdserve.v1 import common_pb2, decode_pb2, generate_pb2, kv_events_pb2
 from shared.engine.kv_cache.events import KvEvent, KvEventKind
 from shared.engine.kv_transfer.handle import KvHandle, KvLayout, KvPullOutcome, KvPullStats
 from shared.engine.kv_transfer.handle import KvRegion, KvSource
-from shared.engine.request import MODEL_DEFAULT_FIELDS, FinishReason, SamplingParams, StructuredOutputSpec
+from shared.engine.request import DEFAULT_MAX_TOKENS, MODEL_DEFAULT_FIELDS, FinishReason, SamplingParams
+from shared.engine.request import StructuredOutputSpec
 from shared.engine.request import TokenLogprobs
 from shared.serving.wire import (
     DecodeChunk, DecodeInput, KvEventUpdate, LoadReport, PrefillInput, PrefillKvSource, PrefillResult,
@@ -77,9 +78,8 @@ _MEMORY_KIND_FROM_PROTO = {v: k for k, v in _MEMORY_KIND_TO_PROTO.items()}
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     """Fields in params.unset stay unset (the pod fills them from the model's defaults); an unset
-    temperature travels as fallback_temperature."""
+    temperature or max_tokens travels as fallback_temperature or fallback_max_tokens."""
     message = common_pb2.SamplingParams(
-        max_tokens=_check_uint("max_tokens", params.max_tokens),
         ignore_eos=params.ignore_eos,
         stop_token_ids=[_check_uint("stop_token_ids entry", t) for t in params.stop_token_ids],
         stop=list(params.stop),
@@ -90,9 +90,12 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         logit_bias={_check_uint("logit_bias key", token): bias for token, bias in params.logit_bias},
     )
     for name in sorted(MODEL_DEFAULT_FIELDS - params.unset):
-        setattr(message, name, _check_uint(name, params.top_k) if name == "top_k" else getattr(params, name))
+        value = getattr(params, name)
+        setattr(message, name, _check_uint(name, value) if name in ("top_k", "max_tokens") else value)
     if "temperature" in params.unset:
         message.fallback_temperature = params.temperature
+    if "max_tokens" in params.unset and params.max_tokens != DEFAULT_MAX_TOKENS:
+        message.fallback_max_tokens = _check_uint("max_tokens", params.max_tokens)
     if params.seed is not None:
         message.seed = _check_uint("seed", params.seed, UINT64_MAX)
     if params.prompt_logprobs is not None:
@@ -127,7 +130,8 @@ def _structured_output_from_proto(message: common_pb2.StructuredOutput) -> Struc
 
 def sampling_params_from_proto(message: common_pb2.SamplingParams | None) -> SamplingParams:
     """Unset optional fields (or an absent message) take SamplingParams' defaults; those the model may
-    give defaults for are marked unset (an unset temperature is fallback_temperature until then)."""
+    give defaults for are marked unset (an unset temperature or max_tokens is fallback_temperature or
+    fallback_max_tokens until then)."""
     if message is None:
         message = common_pb2.SamplingParams()
     kwargs: dict = {
@@ -140,12 +144,14 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams | None) -> Sam
         "min_tokens": message.min_tokens,
         "logit_bias": dict(message.logit_bias),
     }
-    for name in ("max_tokens", "seed", "prompt_logprobs", "logprobs", "n", *sorted(MODEL_DEFAULT_FIELDS)):
+    for name in ("seed", "prompt_logprobs", "logprobs", "n", *sorted(MODEL_DEFAULT_FIELDS)):
         if message.HasField(name):
             kwargs[name] = getattr(message, name)
     kwargs["unset"] = MODEL_DEFAULT_FIELDS - kwargs.keys()
     if "temperature" in kwargs["unset"]:
         kwargs["temperature"] = message.fallback_temperature
+    if "max_tokens" in kwargs["unset"]:
+        kwargs["max_tokens"] = message.fallback_max_tokens or DEFAULT_MAX_TOKENS
     floats = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
     not_numbers = [name for name in floats if name in kwargs and math.isnan(kwargs[name])]
     not_numbers += [f"logit_bias[{token}]" for token, bias in kwargs["logit_bias"].items() if math.isnan(bias)]
@@ -456,10 +462,8 @@ def decode_request_from_proto(
             raise ValueError(
                 f"with a handle, generated_token_ids must hold exactly token 1, got {len(generated)} ids"
             )
-    if len(generated) >= sampling.max_tokens:
-        raise ValueError(
-            f"{len(generated)} tokens already generated leave nothing to decode (max_tokens {sampling.max_tokens})"
-        )
+    if "max_tokens" not in sampling.unset:  # else the pod checks once it has filled max_tokens
+        check_room_to_decode(generated, sampling)
     return DecodeInput(
         request_id=_request_id(message.request_id),
         prompt_token_ids=prompt,
@@ -467,6 +471,14 @@ def decode_request_from_proto(
         sampling=sampling,
         handle=handle,
     )
+
+
+def check_room_to_decode(generated: list[int], sampling: SamplingParams) -> None:
+    """ValueError when the tokens already generated leave none to decode."""
+    if len(generated) >= sampling.max_tokens:
+        raise ValueError(
+            f"{len(generated)} tokens already generated leave nothing to decode (max_tokens {sampling.max_tokens})"
+        )
 
 
 def decode_chunk_to_proto(chunk: DecodeChunk) -> decode_pb2.DecodeResponse:

@@ -321,8 +321,9 @@ class HttpFront:
         return message, _Request(options, wants_logprobs=params.logprobs is not None)
 
     def _rest_of_context(self, num_prompt_tokens: int) -> int:
-        """Chat's max_tokens when the request names none, as vLLM does: the rest of the model's length
-        (at least 1, so a prompt that fills it is refused for its length)."""
+        """Chat's max_tokens when the request names none and the checkpoint's generation_config.json no
+        max_new_tokens, as vLLM does: the rest of the model's length (at least 1, so a prompt that fills
+        it is refused for its length). It travels as fallback_max_tokens; the pod fills the rest."""
         max_model_len = self._max_model_len()
         if max_model_len is None:  # no pod has reported yet: the request will not run anyway
             return oai.COMPLETIONS_DEFAULT_MAX_TOKENS

@@ -149,13 +149,16 @@ def sampling_params_from_openai(
 ) -> SamplingParams:
     """The domain SamplingParams an OpenAI request asks for. Where it is silent: the model's defaults
     (filled by the pod, vLLM's --generation-config auto) for the fields it may set, else OpenAI's.
-    default_max_tokens: max_tokens when the request names none."""
+    default_max_tokens: max_tokens when the request names none; chat takes the model's max_new_tokens
+    before it, completions never do (vLLM's completions request holds 16 as if the client sent it)."""
     kwargs: dict[str, Any] = {"temperature": OPENAI_DEFAULT_TEMPERATURE, "max_tokens": default_max_tokens}
     given = set()
     for name, (param, parse) in SAMPLING_FIELDS.items():
         if body.get(name) is not None:
             kwargs[param] = parse(name, body[name])
             given.add(param)
+    if not is_chat:
+        given.add("max_tokens")
     kwargs["unset"] = MODEL_DEFAULT_FIELDS - given
     kwargs["logprobs"] = chat_logprobs_count(body) if is_chat else completion_logprobs_count(body)
     try:

@@ -21,7 +21,7 @@ from shared.engine.kv_transfer.nixl_producer import NixlProducer
 from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
 from shared.engine.model.generation_config import GENERATION_CONFIG_AUTO, GENERATION_CONFIG_CHOICES
 from shared.engine.model.loader import DTYPE_AUTO, DTYPE_CHOICES, load_model
-from shared.engine.request import Request
+from shared.engine.request import Request, SamplingParams
 from shared.serving.outcomes import InvalidRequest, PodOverloaded
 from shared.serving.settings import engine_settings, setting, settings_group
 from shared.serving.tls import TlsConfig
@@ -175,6 +175,14 @@ class Pod:
         await self.loop.stop()
         if self.connector is not None:
             self.connector.shutdown()
+
+    def fill_sampling(self, sampling: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """sampling with the fields it left unset filled from the checkpoint's defaults (max_tokens within
+        the room the prompt leaves), checked to fit the model's length. Before anything reads max_tokens
+        (the prefill pod's handoff, the decode pod's continuation): both tiers fill one request alike."""
+        filled = self.engine.generation.fill(sampling, self.max_model_len - num_prompt_tokens)
+        self.check_prompt_fits(num_prompt_tokens, filled.max_tokens)
+        return filled
 
     def check_prompt_fits(self, num_tokens: int, max_tokens: int = 1) -> None:
         """InvalidRequest unless num_tokens leaves room for max_tokens more (vLLM rejects, never caps)."""

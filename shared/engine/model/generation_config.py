@@ -2,10 +2,13 @@
 
 config.json and generation_config.json may both list EOS ids (Llama-3.1-Instruct lists three); any of
 them ends a request, as in transformers' generate() and vLLM. Under vLLM's `--generation-config auto`
-(the default), generation_config.json's temperature, top_p, top_k and repetition_penalty replace the
-fields a request leaves unset (SamplingParams.unset), on every path (LLMEngine.add_request fills them),
-and max_new_tokens is LLMEngine.generate()'s default max_tokens; do_sample false there means greedy, as
-transformers reads it. `vllm` ignores the file's sampling (its EOS ids still end requests), as vLLM does.
+(the default), generation_config.json's max_new_tokens, temperature, top_p, top_k and repetition_penalty
+replace the fields a request leaves unset (SamplingParams.unset), on every path (the pods fill them
+before anything reads max_tokens, LLMEngine.add_request fills the rest); do_sample false there means
+greedy, as transformers reads it. max_new_tokens is a default, not a cap, as in vLLM since its PR 34063
+(get_max_tokens): a request that names max_tokens keeps it, one that names none gets max_new_tokens
+bounded by the room the model's length leaves. `vllm` ignores the file's sampling (its EOS ids still end
+requests), as vLLM does.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ GENERATION_CONFIG_CHOICES = (GENERATION_CONFIG_AUTO, GENERATION_CONFIG_VLLM)
 # Sampling settings a generation_config.json may recommend that requests do not take from it (min_p and
 # typical_p: SamplingParams has no such field; the penalties: vLLM does not default them either).
 _UNSUPPORTED_SAMPLING = ("min_p", "typical_p", "presence_penalty", "frequency_penalty")
+_MAX_TOKENS_NOTE = " (for requests that name none, within the model's length; not a cap)"
 
 
 @dataclass(frozen=True)
@@ -43,18 +47,23 @@ class GenerationDefaults:
         """SamplingParams with the checkpoint's defaults, then the given fields on top."""
         return SamplingParams(**{**self.sampling, **overrides})
 
-    def fill(self, params: SamplingParams) -> SamplingParams:
-        """params with each field it left unset replaced by the checkpoint's default, where there is one."""
+    def fill(self, params: SamplingParams, room: int | None = None) -> SamplingParams:
+        """params with each field it left unset replaced by the checkpoint's default, where there is one.
+        room: the output tokens the model's length leaves after the prompt; a filled max_tokens stays
+        within it (at least 1, so a prompt that fills the model is refused for its length)."""
         if not params.unset:
             return params
         filled = {name: self.sampling[name] for name in params.unset if name in self.sampling}
+        if "max_tokens" in filled and room is not None:
+            filled["max_tokens"] = max(1, min(filled["max_tokens"], room))
         return dataclasses.replace(params, **filled, unset=frozenset())
 
     def describe(self) -> str:
         """The sampling defaults in use, for the start-up log."""
         if not self.sampling:
             return "none (requests' unset fields keep the API defaults)"
-        return ", ".join(f"{name}={value}" for name, value in sorted(self.sampling.items()))
+        return ", ".join(f"{name}={value}" + (_MAX_TOKENS_NOTE if name == "max_tokens" else "")
+                         for name, value in sorted(self.sampling.items()))
 
 
 def eos_ids(value: Any) -> tuple[int, ...]:
