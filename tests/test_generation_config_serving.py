@@ -2,7 +2,9 @@
 the OpenAI HTTP API, colocated and through the split system (router -> prefill -> decode): a request that
 leaves temperature, top_k, top_p and repetition_penalty unset samples with the checkpoint's values, an
 explicit field wins, and the split system gives the single-process engine's tokens for the filled
-params (token 1 on the prefill pod, the rest on the decode pod). Seeded, so every output is exact."""
+params (token 1 on the prefill pod, the rest on the decode pod). Seeded, so every output is exact.
+max_new_tokens is the max_tokens of a request that names none (within the model's length), as in vLLM:
+gRPC and chat; completions keep OpenAI's 16."""
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +22,7 @@ from pdserve.client import PdserveClient
 from pdserve.launcher import LocalCluster
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.model.loader import load_model, save_pretrained
-from shared.engine.request import SamplingParams
+from shared.engine.request import FinishReason, SamplingParams
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.serving.http_api import HttpFront, HttpServer
 from shared.serving.metrics import ServiceMetrics
@@ -34,6 +36,7 @@ PROMPT = [17, 901, 33, 2048, 77, 5, 1200, 64, 9]
 SEED = 7
 # Sampled (not greedy) defaults, each field a request may leave unset.
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "repetition_penalty": 1.3}
+MAX_NEW_TOKENS = 5  # below OpenAI's completions default (16) and every fallback
 REQUEST = dict(max_tokens=8, ignore_eos=True, seed=SEED)
 
 
@@ -42,7 +45,10 @@ def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-with-generation-config")
     save_pretrained(load_model("tiny", seed=0), path)
     bpe_tokenizer().save(str(path / "tokenizer.json"))
-    (path / "generation_config.json").write_text(json.dumps({"do_sample": True, **DEFAULTS}))
+    (path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "max_new_tokens": MAX_NEW_TOKENS, **DEFAULTS}))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% for message in messages %}{{ message['content'] }}{% endfor %}"}))
     return path
 
 
@@ -80,6 +86,37 @@ def _grpc_tokens(address: str, **sampling) -> tuple[list[int], str]:
     return tokens, text
 
 
+def _grpc_lengths(address: str, prompt: list[int], **sampling) -> dict[int, tuple[int, FinishReason]]:
+    """Per completion index: how many tokens it got and how it finished."""
+    lengths: dict[int, tuple[int, FinishReason]] = {}
+    with PdserveClient(address) as client:
+        for chunk in client.generate(prompt, timeout=120, ignore_eos=True, seed=SEED, **sampling):
+            count, finish = lengths.get(chunk.index, (0, None))
+            lengths[chunk.index] = (count + len(chunk.token_ids), chunk.finish_reason or finish)
+    return lengths
+
+
+def _check_max_new_tokens(router) -> None:
+    """A request that names no max_tokens gets the checkpoint's max_new_tokens, within the room the prompt
+    leaves; the router lets it by though the gRPC fallback (16) would not fit."""
+    length = FinishReason.LENGTH
+    assert _grpc_lengths(router.address, PROMPT) == {0: (MAX_NEW_TOKENS, length)}
+    assert _grpc_lengths(router.address, PROMPT, n=2) == {0: (MAX_NEW_TOKENS, length), 1: (MAX_NEW_TOKENS, length)}
+    assert _grpc_lengths(router.address, PROMPT, max_tokens=7) == {0: (7, length)}  # not a cap
+    room_of = {11: MAX_NEW_TOKENS, 3: 3}  # room the prompt leaves -> tokens
+    for room, count in room_of.items():
+        prompt = [17 + i % 500 for i in range(MAX_MODEL_LEN - room)]
+        assert _grpc_lengths(router.address, prompt) == {0: (count, length)}
+    with openai.OpenAI(base_url=router.http_url, api_key="unused", max_retries=0) as client:
+        model = client.models.list().data[0].id
+        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                              seed=SEED, extra_body={"ignore_eos": True})
+        assert (chat.usage.completion_tokens, chat.choices[0].finish_reason) == (MAX_NEW_TOKENS, "length")
+        # Completions default to 16 as if the client sent it (vLLM's CompletionRequest): no model default.
+        whole = client.completions.create(model=model, prompt=PROMPT, seed=SEED, extra_body={"ignore_eos": True})
+        assert whole.usage.completion_tokens == 16
+
+
 def _http_text(client: openai.OpenAI, **sampling) -> str:
     model = client.models.list().data[0].id
     whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=REQUEST["max_tokens"], seed=SEED,
@@ -102,11 +139,13 @@ def test_split_system_fills_unset_fields_from_the_checkpoint_over_grpc_and_http(
             # Silent on temperature: the checkpoint's 0.8, not OpenAI's 1, so the same text as over gRPC.
             assert _http_text(client) == text
             assert _http_text(client, temperature=0) == explicit_text
+        _check_max_new_tokens(router)
         for name in ("prefill-0", "decode-0"):
             assert LOGGED_DEFAULTS in (tmp_path / f"{name}.log").read_text()
 
 
-LOGGED_DEFAULTS = "sampling defaults (--generation-config auto): repetition_penalty=1.3, temperature=0.8, top_k=40, top_p=0.95"
+LOGGED_DEFAULTS = ("sampling defaults (--generation-config auto): max_tokens=5 (for requests that name none, within "
+                   "the model's length; not a cap), repetition_penalty=1.3, temperature=0.8, top_k=40, top_p=0.95")
 
 
 @contextlib.asynccontextmanager
