@@ -137,8 +137,8 @@ def serving_runs(serving_dir: Path | None) -> dict | None:
     return {"runs": runs} if runs else None
 
 
-def _target(name: str, measured: float | None, target: float, unit: str, at_most: bool) -> dict:
-    met = None if measured is None else (measured <= target if at_most else measured >= target)
+def _target(name: str, measured: float | None, target: float, unit: str, at_most: bool, judged: bool) -> dict:
+    met = None if measured is None or not judged else (measured <= target if at_most else measured >= target)
     return {"name": name, "measured": None if measured is None else round(measured, 3),
             "target": f"{'<=' if at_most else '>='} {target:g}{' ' + unit if unit else ''}", "met": met}
 
@@ -150,13 +150,15 @@ def step_time(gpu_step: dict | None, case: str) -> float | None:
     return rows[0]["median_ms"] if rows else None
 
 
-def targets(gpu_step: dict | None, kv_report: dict | None, serving: dict | None) -> list[dict]:
-    """Each figure of issue 15 against its target; measured None (met None) where the run has none."""
+def targets(gpu_step: dict | None, kv_report: dict | None, serving: dict | None, judged: bool = True) -> list[dict]:
+    """Each figure of issue 15 against its target; measured None (met None) where the run has none.
+    judged False (the CPU dry run): the figures are listed, met stays None."""
     found = [_target(f"{case}{', CUDA graphs' if case.startswith('decode') else ''}: median step",
-                     step_time(gpu_step, case), limit, "ms", at_most=True)
+                     step_time(gpu_step, case), limit, "ms", at_most=True, judged=judged)
              for case, limit in STEP_TARGETS_MS.items()]
     read = ((kv_report or {}).get("target") or {}).get("read_64mib_median_gb_per_s")
-    found.append(_target("KV pull (NIXL READ) of 64 MiB: median", read, 100.0, "GB/s", at_most=False))
+    found.append(_target("KV pull (NIXL READ) of 64 MiB: median", read, 100.0, "GB/s", at_most=False,
+                         judged=judged))
     runs = serving or {}
     split, colocated = runs.get(f"split-{SERVING_RATE_LABEL}", {}), runs.get(f"colocated-{SERVING_RATE_LABEL}", {})
     for figure in ("ttft_p50_ms", "tpot_p50_ms"):
@@ -164,7 +166,7 @@ def targets(gpu_step: dict | None, kv_report: dict | None, serving: dict | None)
         if split.get(figure) is not None and colocated.get(figure):
             ratio = split[figure] / colocated[figure] - 1.0
         found.append(_target(f"split {figure} / colocated {figure} - 1, rate 4", ratio,
-                             SPLIT_OVER_COLOCATED_MAX, "", at_most=True))
+                             SPLIT_OVER_COLOCATED_MAX, "", at_most=True, judged=judged))
     return found
 
 
@@ -180,7 +182,7 @@ def summarize(stages_path: Path, tests_log: Path, kv_log: Path, out: Path, mode:
     return {
         "mode": mode,
         "stages": read_stages(stages_path),
-        "targets": targets(gpu_step, kv_report, serving),
+        "targets": targets(gpu_step, kv_report, serving, judged=mode == "gpu"),
         "tests": pytest_counts(tests_log),
         "gpu_step": gpu_step,
         "kv_transfer": kv_figures(kv_report),
@@ -210,7 +212,7 @@ def print_summary(summary: dict) -> None:
     for stage in summary["stages"]:
         print(f"  {stage['name']:<10} {stage['status']:<8} {stage['seconds']:>6.1f} s")
     for target in summary["targets"]:
-        verdict = {True: "met", False: "NOT met", None: "not measured"}[target["met"]]
+        verdict = {True: "met", False: "NOT met", None: "not judged"}[target["met"]]
         print(f"  target {target['name']}: {target['measured']} ({target['target']}): {verdict}")
     print(f"  tests: {summary['tests']}")
     if summary["kv_transfer"]:

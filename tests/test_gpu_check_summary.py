@@ -102,3 +102,12 @@ def test_targets_name_each_figure_against_issue_15(tmp_path):
     ttft, tpot = (t for t in result["targets"] if t["name"].startswith("split"))
     assert (ttft["measured"], ttft["met"]) == (0.2, False)  # 36 ms is 20% above 30 ms
     assert (tpot["measured"], tpot["met"]) == (0.0, True)
+
+
+def test_the_dry_run_lists_figures_without_judging_them(tmp_path):
+    (tmp_path / "gpu_step.json").write_text(json.dumps({"rows": [
+        {"case": "decode batch 1", "cuda_graphs": False, "median_ms": 40.0}]}))
+    result = summary.summarize(tmp_path / "stages.tsv", tmp_path / "tests.log", tmp_path / "kv.log", tmp_path,
+                               "dry-run")
+    step = result["targets"][0]
+    assert (step["measured"], step["met"]) == (40.0, None)
