@@ -93,7 +93,8 @@ def test_targets_name_each_figure_against_issue_15(tmp_path):
     result = summary.summarize(tmp_path / "stages.tsv", tmp_path / "tests.log", tmp_path / "kv.log", tmp_path,
                                "gpu", serving_dir)
     by_name = {t["name"].split(",")[0].split(":")[0]: t for t in result["targets"]}
-    assert (by_name["decode batch 1"]["measured"], by_name["decode batch 1"]["met"]) == (5.0, True)  # graphs row
+    assert (by_name["decode batch 1"]["measured"], by_name["decode batch 1"]["met"]) == (5.0, True)
+    assert by_name["decode batch 1"]["cuda_graphs"] is True  # the row a pod replays, not the eager one
     assert by_name["decode batch 32"]["met"] is False and by_name["decode batch 32"]["target"] == "<= 6.5 ms"
     assert by_name["decode batch 128"]["measured"] is None and by_name["decode batch 128"]["met"] is None
     assert by_name["prefill 2048 tokens"]["met"] is True
