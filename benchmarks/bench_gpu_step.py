@@ -129,6 +129,13 @@ def prefill_flops(config, num_tokens: int) -> float:
     return config.num_layers * (num_tokens * per_token_layer + attention_layer) + 2 * h * config.vocab_size
 
 
+def row_line(row: dict) -> str:
+    extra = f"{row['tflops']:9.1f} ({100 * row['fraction_of_bf16_peak']:.0f}% of {BF16_PEAK_TFLOPS:.0f})" \
+        if "tflops" in row else ""
+    return (f"{row['case']:<24} {row['mean_context']:8.0f} {str(row['cuda_graphs']):>7} "
+            f"{row['median_ms']:10.2f} {row['min_ms']:8.2f} {extra}")
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke run: needs a small preset)")
@@ -185,33 +192,33 @@ def main() -> int:
           f"built in {build_s:.1f} s; runner (KV pool, graph captures) {runner_s:.1f} s; attention: "
           f"{runner.attention_backend}; KV pool {num_blocks} blocks of {args.block_size}")
 
-    rows = []
+    result = {"preset": config.name, "dtype": config.dtype, "device": str(device), "device_name": device_name,
+              "attention_backend": runner.attention_backend, "block_size": args.block_size, "build_s": build_s,
+              "runner_s": runner_s, "warmups": args.warmups, "repeats": args.repeats, "rows": []}
+    rows = result["rows"]
+
+    def add_row(row: dict) -> None:
+        """Keep the row, and rewrite --json with every row so far: a run cut short still leaves its figures."""
+        rows.append(row)
+        print(row_line(row), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+
+    print(f"{'case':<24} {'context':>8} {'graphs':>7} {'median ms':>10} {'min ms':>8} {'TFLOP/s':>9}")
     for batch, contexts in decode_cases:
         for graphs in (False, True) if runner.decode_graphs is not None else (False,):
             times = decode_case(runner, timer, batch, contexts, graphs, args.warmups, args.repeats,
                                 tag=f"b{batch}-{'g' if graphs else 'e'}")
-            rows.append({"case": f"decode batch {batch}", "batch": batch, "mean_context": statistics.mean(contexts),
-                         "cuda_graphs": graphs, "median_ms": statistics.median(times), "min_ms": min(times)})
+            add_row({"case": f"decode batch {batch}", "batch": batch, "mean_context": statistics.mean(contexts),
+                     "cuda_graphs": graphs, "median_ms": statistics.median(times), "min_ms": min(times)})
     times = prefill_case(runner, timer, args.prefill_tokens, min(args.warmups, 3), max(args.repeats // 2, 3))
     median = statistics.median(times)
     tflops = prefill_flops(config, args.prefill_tokens) / (median / 1e3) / 1e12
-    rows.append({"case": f"prefill {args.prefill_tokens} tokens", "batch": 1, "mean_context": args.prefill_tokens,
-                 "cuda_graphs": False, "median_ms": median, "min_ms": min(times), "tflops": tflops,
-                 "fraction_of_bf16_peak": tflops / BF16_PEAK_TFLOPS})
+    add_row({"case": f"prefill {args.prefill_tokens} tokens", "batch": 1, "mean_context": args.prefill_tokens,
+             "cuda_graphs": False, "median_ms": median, "min_ms": min(times), "tflops": tflops,
+             "fraction_of_bf16_peak": tflops / BF16_PEAK_TFLOPS})
 
-    print(f"{'case':<24} {'context':>8} {'graphs':>7} {'median ms':>10} {'min ms':>8} {'TFLOP/s':>9}")
-    for row in rows:
-        extra = f"{row['tflops']:9.1f} ({100 * row['fraction_of_bf16_peak']:.0f}% of {BF16_PEAK_TFLOPS:.0f})" \
-            if "tflops" in row else ""
-        print(f"{row['case']:<24} {row['mean_context']:8.0f} {str(row['cuda_graphs']):>7} "
-              f"{row['median_ms']:10.2f} {row['min_ms']:8.2f} {extra}")
     if args.json:
-        result = {"preset": config.name, "dtype": config.dtype, "device": str(device),
-                  "device_name": device_name,
-                  "attention_backend": runner.attention_backend, "block_size": args.block_size,
-                  "build_s": build_s, "runner_s": runner_s, "warmups": args.warmups, "repeats": args.repeats,
-                  "rows": rows}
-        args.json.write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}")
     return 0
 

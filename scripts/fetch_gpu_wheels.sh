@@ -6,7 +6,7 @@
 # protobuf travel anyway: the committed stubs refuse an older runtime than the one that made them.
 # Versions come from constraints.txt (each pinned once); nixl-cu13 takes nixl-cu12's version.
 # nixl-cu13 is slimmed to its UCX backend (scripts/slim_nixl_wheel.py): 59 MB -> about 12 MB.
-#   bash scripts/fetch_gpu_wheels.sh        (about 20 MiB in all; the tree that travels must stay < 64 MiB)
+#   bash scripts/fetch_gpu_wheels.sh        (about 24 MiB in all; the tree that travels must stay < 64 MiB)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"

@@ -2,15 +2,16 @@
 # The GPU check, one run of at most 8 minutes on the H200 machine (DEVELOPERS.md says how to call it):
 #   wheels    install the carried wheels (.whl/, from scripts/fetch_gpu_wheels.sh) into /tmp/site
 #   env       GPU, driver, torch, NIXL
-#   tests     pytest -m gpu (CUDA-only tests: kernels, NIXL VRAM between two processes)
 #   gpu_step  benchmarks/bench_gpu_step.py --preset llama3-8b: decode-step and prefill timings
 #   kv        benchmarks/bench_kv_push_pull.py --device cuda: READ vs WRITE of 8B handoff sizes
 #   serving   benchmarks/serving_sweep.py: split (router + prefill + decode, all on the one GPU) and
 #             colocated, 8B preset in bf16, rate 4; TTFT p50 / TPOT p50 of both
+#   tests     pytest -m gpu (CUDA-only tests: kernels, NIXL VRAM between two processes)
 # Each stage has its own time limit (cut to what is left of the whole run's), continues after a
 # failure, and writes into $OUT (default /tmp/gpu-check), flat, 7 files: gpu_check.json (every
-# stage's status and the figures), env.txt, tests.log, gpu_step.json, kv_push_pull.json,
-# serving.json, logs.txt (each stage's and service's log tail).
+# stage's status, the figures, and each figure against issue 15's target), env.txt, tests.log,
+# gpu_step.json, kv_push_pull.json, serving.json, logs.txt (each stage's and service's log tail).
+# All of them are rewritten after every stage, so a run cut short returns what it measured.
 #
 #   bash scripts/gpu_check.sh            on the GPU machine
 #   bash scripts/gpu_check.sh --dry-run  anywhere: the same plumbing on the CPU, tiny preset, small sizes
@@ -29,11 +30,13 @@ stages="${GPU_CHECK_STAGES:-wheels env tests gpu_step kv serving}"  # a rerun ca
 mode="${GPU_CHECK_MODE:-gpu}"
 if [[ "$mode" == dry-run ]]; then
   device=cpu preset=tiny dtype=float32
+  gpu_step_args=(--device cpu --quick --warmups 1 --repeats 3)
   kv_args=(--device cpu --tokens 16 64 --layers 2 --repeats 2)
   workload=(--num-requests 6 --input-len 32 --output-len 8)
   pod_extra="--num-blocks 512"
 else
   device=cuda preset=llama3-8b dtype=bfloat16
+  gpu_step_args=(--device cuda)
   kv_args=(--device cuda --repeats 10)
   workload=(--num-requests 40 --input-len 128 --output-len 64)
   pod_extra=""
@@ -79,7 +82,8 @@ stage_tests() {
 stage_gpu_step() {
   [[ -f benchmarks/bench_gpu_step.py ]] || { echo "benchmarks/bench_gpu_step.py is not in this tree"; return 1; }
   # shellcheck disable=SC2086  # GPU_STEP_ARGS holds several flags
-  "$python" benchmarks/bench_gpu_step.py --preset "$preset" ${GPU_STEP_ARGS:-} --json "$OUT/gpu_step.json"
+  "$python" benchmarks/bench_gpu_step.py --preset "$preset" "${gpu_step_args[@]}" ${GPU_STEP_ARGS:-} \
+    --json "$OUT/gpu_step.json"
 }
 
 stage_kv() {
@@ -88,12 +92,10 @@ stage_kv() {
 }
 
 stage_serving() {
+  # Each run's report lands in $WORK/serving as it ends; the summary gathers them into $OUT/serving.json.
   "$python" benchmarks/serving_sweep.py --systems split,colocated --rates 4 "${workload[@]}" \
-    --model "$preset" --pod-args "--device $device --dtype $dtype $pod_extra" --start-timeout-s 240 \
+    --model "$preset" --pod-args "--device $device --dtype $dtype $pod_extra" --start-timeout-s 150 \
     --request-timeout-s 60 --no-plots --out-dir "$WORK/serving"
-  local rc=$?
-  cp "$WORK/serving/sweep.json" "$OUT/serving.json" 2>/dev/null
-  return $rc
 }
 
 if [[ "${1:-}" == "--stage" ]]; then
@@ -128,31 +130,37 @@ stage() {
   ms=$(( ($(date +%s%N) - t0) / 1000000 ))
   printf '%s\t%s\t%d.%03d\n' "$name" "$rc" $(( ms / 1000 )) $(( ms % 1000 )) >> "$WORK/stages.tsv"
   echo "   exit $rc"
+  save_results --quiet
+}
+
+# Copy the logs into $OUT and write gpu_check.json from what the stages left so far: after every stage,
+# so a run cut short (the run tool's own limit) still returns every figure measured before.
+save_results() {
+  [[ -f "$WORK/env.log" ]] && cp "$WORK/env.log" "$OUT/env.txt"
+  [[ -f "$WORK/tests.log" ]] && cp "$WORK/tests.log" "$OUT/tests.log"
+  {
+    for name in wheels gpu_step kv serving tests; do  # (the kv log's UCX tables are summed up in gpu_check.json)
+      [[ -f "$WORK/$name.log" ]] || continue
+      echo "===== $name (last 60 lines)"
+      tail -n 60 "$WORK/$name.log"
+    done
+    for log in "$WORK"/serving/logs/*/*.log; do
+      [[ -f "$log" ]] || continue
+      echo "===== service ${log#"$WORK"/serving/logs/} (last 30 lines)"
+      tail -n 30 "$log"
+    done
+  } > "$OUT/logs.txt" 2>&1
+  "$python" scripts/gpu_check_summary.py --stages "$WORK/stages.tsv" --tests-log "$OUT/tests.log" \
+    --kv-log "$WORK/kv.log" --serving-dir "$WORK/serving" --out "$OUT" --mode "$mode" "$@"
 }
 
 echo "gpu_check ($mode): results in $OUT"
-[[ "$mode" == gpu ]] && stage wheels 90
-stage env 30
-cp "$WORK/env.log" "$OUT/env.txt"
+# The figures first (the issue's targets), then the tests: a slow stage cuts the last ones short.
+[[ "$mode" == gpu ]] && stage wheels 60
+stage env 45
+stage gpu_step 120
+stage kv 90
+stage serving 240
 stage tests 150
-[[ " $stages " == *" tests "* ]] && cp "$WORK/tests.log" "$OUT/tests.log"
-stage gpu_step 90
-stage kv 120
-stage serving 300
-
-{
-  for name in wheels gpu_step kv serving; do  # (the kv log's UCX tables are summed up in gpu_check.json)
-    [[ -f "$WORK/$name.log" ]] || continue
-    echo "===== $name (last 60 lines)"
-    tail -n 60 "$WORK/$name.log"
-  done
-  for log in "$WORK"/serving/logs/*/*.log; do
-    [[ -f "$log" ]] || continue
-    echo "===== service ${log#"$WORK"/serving/logs/} (last 30 lines)"
-    tail -n 30 "$log"
-  done
-} > "$OUT/logs.txt" 2>&1
-
-"$python" scripts/gpu_check_summary.py --stages "$WORK/stages.tsv" --tests-log "$OUT/tests.log" \
-  --kv-log "$WORK/kv.log" --out "$OUT" --mode "$mode"
+save_results
 rm -rf "$WORK"

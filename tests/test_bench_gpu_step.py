@@ -49,3 +49,19 @@ def test_refuses_without_a_gpu_or_with_the_8b_on_the_cpu(bench, monkeypatch, cap
     monkeypatch.setattr(sys, "argv", ["bench_gpu_step.py"])
     assert bench.main() == 2
     assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_run_cut_short_keeps_the_cases_it_measured(bench, tmp_path, monkeypatch):
+    """The GPU check's time limit can stop the bench mid-run: each case is in the JSON once measured."""
+    out = tmp_path / "step.json"
+
+    def cut_short(*args):
+        raise KeyboardInterrupt  # as a timeout would stop it
+
+    monkeypatch.setattr(bench, "prefill_case", cut_short)
+    monkeypatch.setattr(sys, "argv", ["bench_gpu_step.py", "--device", "cpu", "--preset", "tiny", "--quick",
+                                      "--warmups", "1", "--repeats", "1", "--json", str(out)])
+    with pytest.raises(KeyboardInterrupt):
+        bench.main()
+    cases = [row["case"] for row in json.loads(out.read_text())["rows"]]
+    assert cases == ["decode batch 1", "decode batch 4", "decode batch 8"]
