@@ -13,7 +13,7 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from proto.pdserve.v1 import common_pb2, decode_pb2_grpc
+from proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from shared.serving import convert, wire
 from shared.serving.engine_thread import RequestStream
 from shared.serving.outcomes import (
@@ -24,6 +24,7 @@ from shared.engine.kv_transfer.connector import KVLoadFailurePolicy
 from shared.engine.kv_transfer.handle import KvHandleNotAuthentic, KvHandleOtherPrompt, KvPullOutcome, KvPullStats
 from shared.engine.kv_transfer.handoff import PullFromPeer
 from shared.serving.metrics import ServiceMetrics
+from shared.serving.pod_call import PodCall
 from shared.serving.pod_server import PodServicer
 from shared.engine.request import FinishReason, Request
 from shared.serving.telemetry import SpanAttr
@@ -85,9 +86,12 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
                 # Generated tokens count against max_tokens, so prompt + max_tokens bounds the whole sequence.
                 sampling = self.pod.fill_sampling(work.sampling, len(work.prompt_token_ids))
                 work = dataclasses.replace(work, sampling=sampling)
-                convert.check_room_to_decode(work.generated_token_ids, work.sampling)
+                convert.check_not_past_max_tokens(work.generated_token_ids, work.sampling)
             call.span.set_attribute(SpanAttr.REQUEST_ID, work.request_id)
             call.span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(work.prompt_token_ids))
+            if len(work.generated_token_ids) == work.sampling.max_tokens:
+                yield self._already_complete(work, call)
+                return
             traced = None
             if call.parent is not None and work.request_id not in self._traces:
                 traced = self._traces[work.request_id] = _DecodeTrace(call.parent)
@@ -118,6 +122,16 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
             finally:
                 if traced is not None:
                     self._end_trace(work.request_id, traced, call.num_output_tokens, finish_reason)
+
+    def _already_complete(self, work: wire.DecodeInput, call: PodCall) -> decode_pb2.DecodeResponse:
+        """The answer to a continuation whose generated tokens already reach max_tokens (a re-issue after a
+        pod died right after the last token, before saying so): nothing to decode, the request ended for
+        its length. A handle it carries is released once proved authentic (a forged one never is)."""
+        if work.handle is not None:
+            self._checked_prompt_digest(work)
+            self.sources.release_quietly(work.handle, work.request_id)
+        call.finish(FinishReason.LENGTH)
+        return convert.decode_chunk_to_proto(wire.DecodeChunk(finish_reason=FinishReason.LENGTH))
 
     def _report_pull(self, work: wire.DecodeInput, early_stats: KvPullStats) -> KvPullStats:
         """The pull's statistics, once its first output is ready: metrics (by UCX transport) and the kv-pull span."""

@@ -73,7 +73,9 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
                 raise PodUnavailable("the pod stopped the request before token 1")
             if final.finished:
                 call.engine_request_finished()
+            # The filled params go back with token 1: the router decodes with them, so the tiers agree.
             result = self._result(work, final, tokens, call.parent)
+            result = dataclasses.replace(result, resolved_sampling=work.sampling)
             if result.handle is not None:
                 self._free_hold_if_cancelled(context, work.request_id)
             if logprobs:

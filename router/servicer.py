@@ -186,6 +186,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         try:
             if self._decide(prompt).route is Route.SPLIT:
                 result, prefill_address = await self._run_prefill(pod_request_id, prompt, sampling, deadline)
+                # Decode continues with the params prefill resolved (an older pod sends none: keep the request's).
+                sampling = result.resolved_sampling or sampling
                 generated.append(result.first_token_id)
                 if result.finish_reason is None:
                     hold = _Hold(prefill_address, pod_request_id, result.handle)

@@ -167,7 +167,9 @@ def _check_decode(stubs, reference, prompt_ids, generated, message, rid, handle)
         return
     assert handle is None, "a forged handle must never be accepted"
     params = convert.sampling_params_from_proto(message)
-    if params.is_greedy:
+    if len(generated) == params.max_tokens:
+        assert tokens == []  # already complete: answered LENGTH with nothing to decode
+    elif params.is_greedy:
         rest = dataclasses.replace(params, max_tokens=params.max_tokens - len(generated))
         assert tokens == reference.generate([prompt_ids + generated], rest)[0].token_ids
 

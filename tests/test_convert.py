@@ -178,6 +178,26 @@ def test_prefill_payloads():
         convert.prefill_result_from_proto(prefill_pb2.PrefillResponse(first_token_id=1))
 
 
+def test_prefill_result_carries_the_resolved_sampling():
+    resolved = SamplingParams(max_tokens=24, temperature=0.0, top_k=5, top_p=0.8, repetition_penalty=1.1,
+                              stop_token_ids=[9], seed=3, logprobs=2)
+    result = wire.PrefillResult(5, 10, handle=make_handle(), resolved_sampling=resolved)
+    message = convert.prefill_result_to_proto(result)
+    # Every field a model may default travels explicitly: decode has nothing left to fill.
+    assert all(message.resolved_sampling.HasField(name) for name in MODEL_DEFAULT_FIELDS)
+    assert convert.prefill_result_from_proto(message) == result
+    # An older prefill pod sends none: the router keeps the request's own params.
+    message.ClearField("resolved_sampling")
+    assert convert.prefill_result_from_proto(message).resolved_sampling is None
+    # Params still waiting for a model default are not resolved.
+    unresolved = wire.PrefillResult(5, 10, handle=make_handle(), resolved_sampling=SamplingParams(unset={"top_p"}))
+    with pytest.raises(ValueError, match="resolved_sampling leaves top_p unset"):
+        convert.prefill_result_to_proto(unresolved)
+    message.resolved_sampling.CopyFrom(convert.sampling_params_to_proto(SamplingParams(unset={"max_tokens"})))
+    with pytest.raises(ValueError, match="resolved_sampling leaves max_tokens unset"):
+        convert.prefill_result_from_proto(message)
+
+
 def test_decode_payloads():
     params = SamplingParams(max_tokens=8)
     work = wire.DecodeInput("r1", list(range(10)), [42], params, make_handle())
@@ -193,9 +213,12 @@ def test_decode_payloads():
     bad.prompt_token_ids.append(1)
     with pytest.raises(ValueError, match="handle covers 10 tokens but the prompt has 11"):
         convert.decode_request_from_proto(bad)
-    done = convert.decode_request_to_proto(wire.DecodeInput("r", [1], list(range(8)), params))
-    with pytest.raises(ValueError, match="leave nothing to decode"):
-        convert.decode_request_from_proto(done)
+    # Exactly max_tokens generated is a complete request (the decode pod answers it so); more is wrong.
+    done = wire.DecodeInput("r", [1], list(range(8)), params)
+    assert convert.decode_request_from_proto(convert.decode_request_to_proto(done)) == done
+    past = convert.decode_request_to_proto(wire.DecodeInput("r", [1], list(range(9)), params))
+    with pytest.raises(ValueError, match="9 tokens already generated exceed max_tokens 8"):
+        convert.decode_request_from_proto(past)
     # An unset max_tokens is the decode pod's to fill first (the checkpoint's may exceed the fallback).
     unfilled = wire.DecodeInput("r", [1], list(range(8)), SamplingParams(unset={"max_tokens"}))
     assert convert.decode_request_from_proto(convert.decode_request_to_proto(unfilled)) == unfilled

@@ -2,7 +2,9 @@
 the OpenAI HTTP API, colocated and through the split system (router -> prefill -> decode): a request that
 leaves temperature, top_k, top_p and repetition_penalty unset samples with the checkpoint's values, an
 explicit field wins, and the split system gives the single-process engine's tokens for the filled
-params (token 1 on the prefill pod, the rest on the decode pod). Seeded, so every output is exact.
+params (token 1 on the prefill pod, the rest on the decode pod). The prefill pod resolves the params and
+the decode pod continues with them: its own --generation-config (vllm here) plays no part. Seeded, so
+every output is exact.
 max_new_tokens is the max_tokens of a request that names none (within the model's length), as in vLLM:
 gRPC and chat; completions keep OpenAI's 16."""
 from __future__ import annotations
@@ -127,8 +129,10 @@ def _http_text(client: openai.OpenAI, **sampling) -> str:
 def test_split_system_fills_unset_fields_from_the_checkpoint_over_grpc_and_http(model_dir, expected, tmp_path):
     pod_args = ["--model", str(model_dir), "--block-size", "16", "--num-blocks", "128",
                 "--max-model-len", str(MAX_MODEL_LEN)]
-    with LocalCluster.start(pod_args=pod_args, router_args=["--tokenizer", str(model_dir)], log_dir=tmp_path,
-                            timeout_s=300) as cluster:
+    # The decode pod ignores the checkpoint's sampling itself: the outputs below equal the checkpoint
+    # defaults' only because it continues with the params the prefill pod resolved.
+    with LocalCluster.start(pod_args=pod_args, decode_args=["--generation-config", "vllm"],
+                            router_args=["--tokenizer", str(model_dir)], log_dir=tmp_path, timeout_s=300) as cluster:
         router = cluster.by_name("router")
         tokens, text = _grpc_tokens(router.address)
         assert tokens == expected["defaults"]
@@ -140,8 +144,8 @@ def test_split_system_fills_unset_fields_from_the_checkpoint_over_grpc_and_http(
             assert _http_text(client) == text
             assert _http_text(client, temperature=0) == explicit_text
         _check_max_new_tokens(router)
-        for name in ("prefill-0", "decode-0"):
-            assert LOGGED_DEFAULTS in (tmp_path / f"{name}.log").read_text()
+        assert LOGGED_DEFAULTS in (tmp_path / "prefill-0.log").read_text()
+        assert "sampling defaults (--generation-config vllm): none" in (tmp_path / "decode-0.log").read_text()
 
 
 LOGGED_DEFAULTS = ("sampling defaults (--generation-config auto): max_tokens=5 (for requests that name none, within "

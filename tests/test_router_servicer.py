@@ -1,6 +1,7 @@
 """The router's Generate over real gRPC on 127.0.0.1 against small fake prefill/decode servers: token 1
 first, decode relay, retries, re-issue without duplicates, deadlines, cancellation, errors, text."""
 import asyncio
+import dataclasses
 import signal
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from router.workers import WorkerPool, resolve_dns
 from shared.serving import convert, wire
 from shared.serving.grpc_server import GrpcServer, ServerOptions
 from shared.serving.prefill_client import PrefillClient
+from shared.engine.model.generation_config import GenerationDefaults
 from shared.engine.request import FinishReason
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,9 +47,12 @@ def expected_output(prompt, max_tokens, stop=()):
 
 
 class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, fail_with=None, overloaded=False):
+    def __init__(self, fail_with=None, overloaded=False, defaults=None):
         self.fail_with = fail_with
         self.overloaded = overloaded
+        # A checkpoint's sampling defaults: with them the pod resolves the params and sends them back, as
+        # real prefill pods do; without, it answers as a pod older than resolved_sampling.
+        self.defaults = defaults
         self.calls, self.released = [], []
 
     async def Prefill(self, request, context):
@@ -55,6 +60,10 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
         if self.fail_with is not None:
             await context.abort(self.fail_with, "simulated prefill failure")
         work = convert.prefill_request_from_proto(request)
+        resolved = None
+        if self.defaults is not None:
+            resolved = GenerationDefaults(sampling=self.defaults).fill(work.sampling)
+            work = dataclasses.replace(work, sampling=resolved)
         first = next_token(work.prompt_token_ids[-1])
         finish = None
         if work.sampling.max_tokens == 1:
@@ -65,7 +74,8 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
         if finish is None:
             n = len(work.prompt_token_ids)
             handle = convert.KvHandle("eng-p", "127.0.0.1:1", range(-(-n // 4)), n, 4, LAYOUT, 2**40)
-        return convert.prefill_result_to_proto(wire.PrefillResult(first, n_prompt(request), finish, handle))
+        result = wire.PrefillResult(first, n_prompt(request), finish, handle, resolved_sampling=resolved)
+        return convert.prefill_result_to_proto(result)
 
     async def ReleaseKv(self, request, context):
         self.released.append(request.request_id)
@@ -80,8 +90,10 @@ def n_prompt(request):
 
 
 class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, fail_after=None, delay_s=0.0, overloaded=False, num_refusals=0, freeze_after=None):
+    def __init__(self, fail_after=None, delay_s=0.0, overloaded=False, num_refusals=0, freeze_after=None,
+                 die_at_last=False):
         self.fail_after = fail_after  # abort UNAVAILABLE after this many tokens
+        self.die_at_last = die_at_last  # send the last token without its finish reason, then abort UNAVAILABLE
         self.delay_s = delay_s
         self.overloaded = overloaded
         self.num_refusals = num_refusals  # answer the first calls RESOURCE_EXHAUSTED with a retry hint
@@ -117,6 +129,9 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
                     finish = FinishReason.STOP
                 elif num_out >= work.sampling.max_tokens:
                     finish = FinishReason.LENGTH
+                if finish is not None and self.die_at_last:
+                    yield convert.decode_chunk_to_proto(wire.DecodeChunk([last], None, stats if sent == 1 else None))
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "simulated crash after the last token")
                 yield convert.decode_chunk_to_proto(wire.DecodeChunk([last], finish, stats if sent == 1 else None))
                 if finish is not None:
                     return
@@ -222,6 +237,39 @@ def test_token_one_that_finishes_never_reaches_decode():
         assert [(c.token_ids, c.finish_reason) for c in one] == [([stop], FinishReason.LENGTH)]
         assert [(c.token_ids, c.finish_reason) for c in stopped] == [([stop], FinishReason.STOP)]
         assert decode.calls == []
+
+    run(scenario())
+
+
+CHECKPOINT_DEFAULTS = {"max_tokens": 4, "temperature": 0.0, "top_k": 5, "top_p": 0.9, "repetition_penalty": 1.0}
+
+
+def test_decode_continues_with_the_sampling_prefill_resolved():
+    async def scenario():
+        prefill = FakePrefill(defaults=CHECKPOINT_DEFAULTS)
+        dying, healthy = FakeDecode(die_at_last=True), FakeDecode()
+        async with Cluster([prefill], [dying, healthy]) as cluster:
+            # Round robin: one of the two requests goes to the pod that dies right after the last token.
+            runs = [await cluster.generate([5, 6]) for _ in range(2)]  # no max_tokens: the checkpoint's 4
+        for chunks in runs:
+            assert tokens(chunks) == expected_output([5, 6], 4)
+            assert chunks[-1].finish_reason is FinishReason.LENGTH
+        resolved = GenerationDefaults(sampling=CHECKPOINT_DEFAULTS).sampling_params()
+        assert [w.sampling for w in dying.calls + healthy.calls] == [resolved, resolved]
+        # The silent death came after the last token: complete, no re-issue (the router knew max_tokens).
+        assert len(dying.calls) == 1 and len(healthy.calls) == 1
+
+    run(scenario())
+
+
+def test_decode_gets_the_request_params_from_an_older_prefill_pod():
+    async def scenario():
+        decode = FakeDecode()
+        async with Cluster([FakePrefill()], [decode]) as cluster:
+            chunks = await cluster.generate([5, 6], temperature=0.0)
+        (work,) = decode.calls
+        assert "max_tokens" in work.sampling.unset and "temperature" not in work.sampling.unset
+        assert tokens(chunks) == expected_output([5, 6], 16)  # the fake decode pod's fallback, unfilled
 
     run(scenario())
 

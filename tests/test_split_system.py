@@ -236,6 +236,36 @@ def test_a_request_id_already_in_flight_gets_already_exists(cluster):
     _assert_all_blocks_free(cluster)
 
 
+def test_a_continuation_already_at_max_tokens_is_answered_complete(cluster):
+    # A re-issue after a decode pod died right after the last token, before saying so. max_tokens explicit,
+    # or unset and filled by the decode pod itself (no checkpoint default here: the fallback).
+    prompt, done = [5, 6, 7], [8, 9, 10, 11]
+    explicit = SamplingParams(max_tokens=4, ignore_eos=True)
+    filled = SamplingParams(max_tokens=4, ignore_eos=True, unset={"max_tokens"})  # travels as fallback_max_tokens
+    with grpc.insecure_channel(cluster.by_name("decode-0").address) as channel:
+        stub = decode_pb2_grpc.DecodeServiceStub(channel)
+
+        def decode(generated, params, handle=None, request_id="complete"):
+            request = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt,
+                                               generated_token_ids=generated, handle=handle,
+                                               sampling=convert.sampling_params_to_proto(params))
+            return [(list(m.token_ids), m.finish_reason) for m in stub.Decode(request, timeout=30)]
+
+        for params in (explicit, filled):
+            assert decode(done, params) == [([], common_pb2.FINISH_REASON_LENGTH)]
+            with pytest.raises(grpc.RpcError) as error:
+                decode(done + [12], params)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "5 tokens already generated exceed max_tokens 4" in error.value.details()
+        # With a real handle (token 1 already reaches max_tokens 1): nothing pulled, the hold released.
+        answer = _prefill(cluster, "complete-handle", prompt, max_tokens=2, ignore_eos=True)
+        assert answer.HasField("handle")
+        one = SamplingParams(max_tokens=1, ignore_eos=True)
+        complete = decode([answer.first_token_id], one, answer.handle, "complete-handle")
+        assert complete == [([], common_pb2.FINISH_REASON_LENGTH)]
+    _assert_all_blocks_free(cluster, timeout_s=LEASE_S / 3)  # released, not left to the lease's end
+
+
 @pytest.mark.parametrize(
     "prompt,sampling,message",
     [

@@ -409,7 +409,16 @@ def prefill_result_to_proto(result: PrefillResult) -> prefill_pb2.PrefillRespons
         message.handle.CopyFrom(kv_handle_to_proto(result.handle))
     if result.first_token_logprobs is not None:
         message.first_token_logprobs.CopyFrom(token_logprobs_to_proto(result.first_token_logprobs))
+    if result.resolved_sampling is not None:
+        message.resolved_sampling.CopyFrom(sampling_params_to_proto(_resolved(result.resolved_sampling)))
     return message
+
+
+def _resolved(sampling: SamplingParams) -> SamplingParams:
+    """sampling, or ValueError when it leaves a field unset (resolved params name every field)."""
+    if sampling.unset:
+        raise ValueError(f"resolved_sampling leaves {', '.join(sorted(sampling.unset))} unset")
+    return sampling
 
 
 def prefill_result_from_proto(message: prefill_pb2.PrefillResponse) -> PrefillResult:
@@ -427,6 +436,10 @@ def prefill_result_from_proto(message: prefill_pb2.PrefillResponse) -> PrefillRe
         first_token_logprobs=(
             token_logprobs_from_proto(message.first_token_logprobs)
             if message.HasField("first_token_logprobs") else None
+        ),
+        resolved_sampling=(
+            _resolved(sampling_params_from_proto(message.resolved_sampling))
+            if message.HasField("resolved_sampling") else None
         ),
     )
 
@@ -463,7 +476,7 @@ def decode_request_from_proto(
                 f"with a handle, generated_token_ids must hold exactly token 1, got {len(generated)} ids"
             )
     if "max_tokens" not in sampling.unset:  # else the pod checks once it has filled max_tokens
-        check_room_to_decode(generated, sampling)
+        check_not_past_max_tokens(generated, sampling)
     return DecodeInput(
         request_id=_request_id(message.request_id),
         prompt_token_ids=prompt,
@@ -473,11 +486,12 @@ def decode_request_from_proto(
     )
 
 
-def check_room_to_decode(generated: list[int], sampling: SamplingParams) -> None:
-    """ValueError when the tokens already generated leave none to decode."""
-    if len(generated) >= sampling.max_tokens:
+def check_not_past_max_tokens(generated: list[int], sampling: SamplingParams) -> None:
+    """ValueError when more tokens were already generated than max_tokens allows. Exactly max_tokens is a
+    complete request (a re-issue after a pod died right after the last token), answered as such."""
+    if len(generated) > sampling.max_tokens:
         raise ValueError(
-            f"{len(generated)} tokens already generated leave nothing to decode (max_tokens {sampling.max_tokens})"
+            f"{len(generated)} tokens already generated exceed max_tokens {sampling.max_tokens}"
         )
 
 

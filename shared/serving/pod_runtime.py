@@ -61,8 +61,8 @@ class PodConfig:
     ))
     generation_config: str = field(default=GENERATION_CONFIG_AUTO, metadata=setting(
         "auto: sampling fields a request leaves unset take the model's generation_config.json defaults "
-        "(temperature, top_p, top_k, repetition_penalty); vllm: ignore them, as vLLM's flag (prefill and "
-        "decode must agree)", choices=GENERATION_CONFIG_CHOICES
+        "(temperature, top_p, top_k, repetition_penalty); vllm: ignore them, as vLLM's flag (split: the "
+        "prefill pod's decides, decode continues with the params it resolved)", choices=GENERATION_CONFIG_CHOICES
     ))
     scheduler: SchedulerConfig = field(default_factory=serving_scheduler_config, metadata=engine_settings(
         max_num_seqs="most requests computed in one step",
@@ -179,7 +179,8 @@ class Pod:
     def fill_sampling(self, sampling: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         """sampling with the fields it left unset filled from the checkpoint's defaults (max_tokens within
         the room the prompt leaves), checked to fit the model's length. Before anything reads max_tokens
-        (the prefill pod's handoff, the decode pod's continuation): both tiers fill one request alike."""
+        (the prefill pod's handoff, the decode pod's continuation). A decode pod gets them already filled
+        from a prefill pod (PrefillResponse.resolved_sampling) and fills only those sent without a prefill."""
         filled = self.engine.generation.fill(sampling, self.max_model_len - num_prompt_tokens)
         self.check_prompt_fits(num_prompt_tokens, filled.max_tokens)
         return filled

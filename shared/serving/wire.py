@@ -50,6 +50,8 @@ class PrefillResult:
     finish_reason: FinishReason | None = None
     handle: KvHandle | None = None
     first_token_logprobs: TokenLogprobs | None = None
+    # The request's sampling as the prefill pod resolved it (nothing unset); None from an older pod.
+    resolved_sampling: SamplingParams | None = None
 
 
 @dataclass(frozen=True)
