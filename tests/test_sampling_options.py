@@ -169,6 +169,21 @@ def test_bad_constraints_are_rejected_with_the_reason():
     assert grammar.error
 
 
+def test_a_repeated_constraint_starts_fresh_for_each_request():
+    """Requests with the same schema share its compiled grammar, never each other's progress."""
+    compiler = GrammarCompiler(bpe_tokenizer(), 4096, [EOS_TOKEN_ID])
+    spec = StructuredOutputSpec(json_object=True)
+    first = compiler.compile(spec)
+    at_start = first.allowed_tokens(4096)
+    assert first.accept_tokens("r1", [int(at_start.nonzero()[0])])
+    assert not torch.equal(first.allowed_tokens(4096), at_start)
+    second = compiler.compile(spec)
+    assert torch.equal(second.allowed_tokens(4096), at_start)
+    for n in range(GrammarCompiler.CACHED_GRAMMARS + 1):  # the cache stays bounded
+        compiler.compile(StructuredOutputSpec(regex=f"x{n}"))
+    assert len(compiler._start_states) == GrammarCompiler.CACHED_GRAMMARS
+
+
 def test_structured_output_needs_a_tokenizer():
     engine = LLMEngine("tiny", SchedulerConfig(max_model_len=64), CacheConfig(block_size=16, num_blocks=16))
     engine.tokenizer = None  # a model directory without tokenizer.json

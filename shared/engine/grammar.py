@@ -7,6 +7,7 @@ microseconds and needs nothing but the tokenizer's JSON.
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 
 import torch
 from llguidance import LLMatcher, LLTokenizer
@@ -61,16 +62,32 @@ class Grammar:
 
 
 class GrammarCompiler:
-    """Compiles StructuredOutputSpecs against one tokenizer (a tokenizers.Tokenizer)."""
+    """Compiles StructuredOutputSpecs against one tokenizer (a tokenizers.Tokenizer). Clients repeat
+    their schemas, so the last CACHED_GRAMMARS compiled ones are kept as matchers in their start state;
+    a request gets a copy (llguidance shares the compiled grammar between copies)."""
+
+    CACHED_GRAMMARS = 64
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...] | list[int]):
         if not eos_token_ids:
             raise ValueError("structured output needs an end-of-sequence token to end a complete output")
         self._tokenizer = LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self._eos_token_ids = frozenset(eos_token_ids)
+        self._start_states: OrderedDict[StructuredOutputSpec, LLMatcher] = OrderedDict()
 
     def compile(self, spec: StructuredOutputSpec) -> Grammar:
         """ValueError naming the problem when the schema, regex or grammar is not valid."""
+        start = self._start_states.get(spec)
+        if start is None:
+            start = self._compile_start_state(spec)
+            self._start_states[spec] = start
+            if len(self._start_states) > self.CACHED_GRAMMARS:
+                self._start_states.popitem(last=False)
+        else:
+            self._start_states.move_to_end(spec)
+        return Grammar(start.deep_copy(), self._eos_token_ids)
+
+    def _compile_start_state(self, spec: StructuredOutputSpec) -> LLMatcher:
         try:
             grammar = self._grammar_text(spec)
         except ValueError as exc:
@@ -78,7 +95,7 @@ class GrammarCompiler:
         matcher = LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured output: {matcher.get_error()}")
-        return Grammar(matcher, self._eos_token_ids)
+        return matcher
 
     @staticmethod
     def _grammar_text(spec: StructuredOutputSpec) -> str:
