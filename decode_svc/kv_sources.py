@@ -85,10 +85,17 @@ class KvSourceCache:
         """The UCX transport pulls from this handle's engine take ("unknown" before it was met)."""
         return self._transports.get(handle.engine_id, "unknown")
 
+    def open_probe(self) -> None:
+        """Start the probe's NIXL agent. Call once the pod's UCX environment is set (UCX reads the port
+        range when an agent starts) and before the pod serves: starting an agent stalls the whole process
+        for up to seconds, which mid-request would delay every pull and ReleaseKv of this pod."""
+        if self._probe_port_range is not None and self._probe is None:
+            self._probe = TransportProbe(self._probe_port_range)
+
     async def _check_transport(self, handle: KvHandle, source: KvSource) -> None:
         """First meeting with a prefill engine: one probe READ (on a worker thread: it may wait seconds)."""
         loop = asyncio.get_running_loop()
-        if self._probe is None:  # made late: UCX reads the port range when the agent starts
+        if self._probe is None:  # not opened at start-up
             self._probe = await loop.run_in_executor(None, TransportProbe, self._probe_port_range)
         result = await loop.run_in_executor(None, self._probe.probe, source, handle.source_address,
                                             self._transports[handle.engine_id])

@@ -75,6 +75,7 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
             loop, handle, request_id, digest
         )
         self.sources.on_release_result = pod.connector.on_release_result
+        self.sources.open_probe()
 
     async def close(self) -> None:
         await self.sources.close()
