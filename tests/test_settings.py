@@ -1,6 +1,7 @@
 """Flags generated from config fields: every setting declared once, every existing flag name kept, the
 pods' defaults unchanged, and a new field becomes a flag by itself."""
 import argparse
+import dataclasses
 from dataclasses import dataclass, field
 
 import pytest
@@ -17,6 +18,7 @@ POD_FLAGS = [
     "--generation-config",
     "--block-size", "--num-blocks", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
     "--no-prefix-caching", "--device", "--num-threads", "--max-requests-in-flight", "--grace-seconds",
+    "--enforce-eager",
 ]
 ROUTER_FLAGS = [
     "--host", "--port", "--prefill", "--decode", "--policy", "--metrics-port", "--otlp-endpoint", "--tokenizer",
@@ -49,8 +51,10 @@ def test_flags_land_in_the_composed_configs():
     args = decode_parser().parse_args([
         "--num-blocks", "64", "--max-num-batched-tokens", "512", "--max-model-len", "300", "--no-prefix-caching",
         "--kv-load-failure-policy", "fail", "--num-threads", "2", "--prefill-rpc-timeout", "1.5",
+        "--enforce-eager",
     ])
     config = decode_config(args)
+    assert config.enforce_eager and not PodConfig().enforce_eager
     assert (config.cache.num_blocks, config.cache.enable_prefix_caching) == (64, False)
     assert (config.scheduler.max_num_batched_tokens, config.scheduler.max_model_len) == (512, 300)
     assert config.scheduler.max_num_seqs == 128  # untouched settings keep the serving default
@@ -90,3 +94,21 @@ def test_a_new_field_is_a_new_flag():
     assert config == Extended(drain_grace_s=4.0, policy=KVLoadFailurePolicy.FAIL)
     with pytest.raises(SystemExit):
         parser.parse_args(["--policy", "sometimes"])
+
+
+def test_enforce_eager_turns_the_engines_cuda_graphs_off(monkeypatch):
+    """--enforce-eager reaches the engine as cuda_graphs=False; without it the engine decides (on for CUDA)."""
+    import shared.serving.pod_runtime as pod_runtime
+
+    seen = []
+    real_engine = pod_runtime.LLMEngine
+
+    def recording_engine(*args, **kwargs):
+        seen.append(kwargs["cuda_graphs"])
+        return real_engine(*args, **kwargs)
+
+    monkeypatch.setattr(pod_runtime, "LLMEngine", recording_engine)
+    small = dict(model="tiny", cache=dataclasses.replace(PodConfig().cache, num_blocks=256))
+    pod_runtime.Pod(None, PodConfig(**small, enforce_eager=True))
+    pod_runtime.Pod(None, PodConfig(**small))
+    assert seen == [False, None]

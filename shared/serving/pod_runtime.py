@@ -95,6 +95,9 @@ class PodConfig:
     device: str = field(default="cpu", metadata=setting(
         "where the model and the KV pool live: cpu or cuda[:N] (NIXL then reads device memory)"
     ))
+    enforce_eager: bool = field(default=False, metadata=setting(
+        "never replay decode steps as CUDA graphs (on cuda they are captured at start-up by default)"
+    ))
     tls: TlsConfig = field(default_factory=TlsConfig, metadata=settings_group())
     # Signs and checks KV handles (shared/serving/handle_key.py says where it comes from); None: unsigned.
     kv_handle_key: bytes | None = field(default=None, repr=False)
@@ -141,6 +144,7 @@ class Pod:
             connector=self.connector,
             num_threads=config.num_threads,
             device=config.device,
+            cuda_graphs=False if config.enforce_eager else None,
         )
         self.loop = EngineLoop(self.engine)
         if self.connector is not None:
