@@ -94,7 +94,7 @@ stage_kv() {
 stage_serving() {
   # Each run's report lands in $WORK/serving as it ends; the summary gathers them into $OUT/serving.json.
   "$python" benchmarks/serving_sweep.py --systems split,colocated --rates 4 "${workload[@]}" \
-    --model "$preset" --pod-args "--device $device --dtype $dtype $pod_extra" --start-timeout-s 150 \
+    --model "$preset" --pod-args "--device $device --dtype $dtype $pod_extra ${GPU_POD_ARGS:-}" --start-timeout-s 150 \
     --request-timeout-s 60 --no-plots --out-dir "$WORK/serving"
 }
 
