@@ -2,9 +2,14 @@
 127.0.0.1), started once per test session by the `split_cluster` fixture in conftest.py."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+import grpc
+import pytest
+
 from pdserve.launcher import LocalCluster
+from proto.pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 512
@@ -20,3 +25,22 @@ def start_split_cluster(log_dir: Path) -> LocalCluster:
         pod_args=MODEL_ARGS, prefill_args=["--lease-s", str(LEASE_S)], router_args=["--tokenizer", "tiny"],
         with_metrics=True, log_dir=log_dir,
     )
+
+
+def load_report(address: str, stub_type) -> common_pb2.LoadReport:
+    with grpc.insecure_channel(address) as channel:
+        return stub_type(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=5).load
+
+
+def assert_all_blocks_free(cluster: LocalCluster, timeout_s: float = 10.0) -> None:
+    """Fails unless prefill-0 and decode-0 have every block free and none held within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        prefill = load_report(cluster.by_name("prefill-0").address, prefill_pb2_grpc.PrefillServiceStub)
+        decode = load_report(cluster.by_name("decode-0").address, decode_pb2_grpc.DecodeServiceStub)
+        loads = (prefill, decode)
+        if all(load.num_free_blocks == load.num_total_blocks and load.num_held_blocks == 0 for load in loads):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"blocks still in use: prefill {prefill}, decode {decode}")
+        time.sleep(0.1)

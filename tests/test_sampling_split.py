@@ -14,9 +14,9 @@ import pytest
 from bpe_tokenizer import EOS_TOKEN_ID, bpe_tokenizer
 from pdserve.client import PdserveClient
 from pdserve.launcher import HOST, LocalCluster, free_port, start_service, wait_serving
-from proto.pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from shared.engine.model.loader import load_model, save_pretrained
 from shared.engine.request import FinishReason
+from split_cluster import assert_all_blocks_free
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -77,7 +77,7 @@ def _both(systems, **sampling) -> tuple[dict, dict]:
     router, colocated, cluster = systems
     split = _run(router, **sampling)
     whole = _run(colocated, **sampling)
-    _assert_all_blocks_free(cluster)
+    assert_all_blocks_free(cluster)
     return split, whole
 
 
@@ -92,22 +92,6 @@ def _assert_same(split: dict, whole: dict) -> None:
             assert x.token_id == y.token_id and [t for t, _ in x.top] == [t for t, _ in y.top]
             assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
 
-
-def _load(address: str, stub_type) -> common_pb2.LoadReport:
-    with grpc.insecure_channel(address) as channel:
-        return stub_type(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=5).load
-
-
-def _assert_all_blocks_free(cluster: LocalCluster, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        loads = (_load(cluster.by_name("prefill-0").address, prefill_pb2_grpc.PrefillServiceStub),
-                 _load(cluster.by_name("decode-0").address, decode_pb2_grpc.DecodeServiceStub))
-        if all(load.num_free_blocks == load.num_total_blocks and load.num_held_blocks == 0 for load in loads):
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"blocks still in use: {loads}")
-        time.sleep(0.1)
 
 
 def test_stop_string_across_token_boundaries(systems):

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.client import PdserveClient
-from pdserve.launcher import LocalCluster, free_port, start_service, wait_serving
+from pdserve.launcher import free_port, start_service, wait_serving
 from proto.pdserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -30,7 +30,9 @@ from shared.serving import convert
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import FinishReason, SamplingParams
-from split_cluster import BLOCK_SIZE, BYTES_PER_BLOCK, LEASE_S, MODEL_ARGS, NUM_BLOCKS
+from split_cluster import (
+    BLOCK_SIZE, BYTES_PER_BLOCK, LEASE_S, MODEL_ARGS, NUM_BLOCKS, assert_all_blocks_free, load_report,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -61,23 +63,6 @@ def _generate(address: str, prompt: list[int], **sampling) -> tuple[list[int], F
     return tokens, reason
 
 
-def _load(address: str, stub_type) -> common_pb2.LoadReport:
-    with grpc.insecure_channel(address) as channel:
-        return stub_type(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=5).load
-
-
-def _assert_all_blocks_free(cluster: LocalCluster, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        prefill = _load(cluster.by_name("prefill-0").address, prefill_pb2_grpc.PrefillServiceStub)
-        decode = _load(cluster.by_name("decode-0").address, decode_pb2_grpc.DecodeServiceStub)
-        loads = (prefill, decode)
-        if all(load.num_free_blocks == load.num_total_blocks and load.num_held_blocks == 0 for load in loads):
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"blocks still in use: prefill {prefill}, decode {decode}")
-        time.sleep(0.1)
-
 
 def test_greedy_outputs_match_the_single_process_engine(cluster, reference):
     prompts = _prompts(16, seed=1)
@@ -91,7 +76,7 @@ def test_greedy_outputs_match_the_single_process_engine(cluster, reference):
     for (tokens, reason), want in zip(results, expected):
         assert tokens == want.token_ids
         assert reason == want.finish_reason == FinishReason.LENGTH
-    _assert_all_blocks_free(cluster)
+    assert_all_blocks_free(cluster)
 
 
 def test_seeded_sampling_matches_the_single_process_engine(cluster, reference):
@@ -138,7 +123,7 @@ def test_kv_really_crosses_processes_and_bytes_match_the_blocks(cluster, referen
     assert stats.num_bytes == 5 * BYTES_PER_BLOCK
     tokens = [answer.first_token_id] + [t for m in messages for t in m.token_ids]
     assert tokens == reference.generate([prompt], SamplingParams(**sampling))[0].token_ids
-    _assert_all_blocks_free(cluster)
+    assert_all_blocks_free(cluster)
 
 
 def test_partial_prefix_cache_hit_pulls_only_missing_blocks(cluster, reference):
@@ -157,7 +142,7 @@ def test_partial_prefix_cache_hit_pulls_only_missing_blocks(cluster, reference):
     assert stats.num_bytes == 3 * BYTES_PER_BLOCK
     tokens = [answer.first_token_id] + [t for m in messages for t in m.token_ids]
     assert tokens == reference.generate([second], SamplingParams(**sampling))[0].token_ids
-    _assert_all_blocks_free(cluster)
+    assert_all_blocks_free(cluster)
 
 
 def test_expired_lease_frees_prefill_blocks_and_decode_recomputes(cluster, reference):
@@ -165,15 +150,15 @@ def test_expired_lease_frees_prefill_blocks_and_decode_recomputes(cluster, refer
     sampling = dict(max_tokens=6, ignore_eos=True)
     answer = _prefill(cluster, "lease-1", prompt, **sampling)
     prefill_address = cluster.by_name("prefill-0").address
-    assert _load(prefill_address, prefill_pb2_grpc.PrefillServiceStub).num_held_blocks == len(answer.handle.block_ids)
+    assert load_report(prefill_address, prefill_pb2_grpc.PrefillServiceStub).num_held_blocks == len(answer.handle.block_ids)
     time.sleep(LEASE_S + 0.5)
-    load = _load(prefill_address, prefill_pb2_grpc.PrefillServiceStub)
+    load = load_report(prefill_address, prefill_pb2_grpc.PrefillServiceStub)
     assert load.num_held_blocks == 0 and load.num_free_blocks == load.num_total_blocks
     messages = _decode(cluster, "lease-1", prompt, answer, **sampling)
     assert messages[0].kv_pull.outcome == decode_pb2.KV_PULL_OUTCOME_RECOMPUTED_LEASE_EXPIRED
     tokens = [answer.first_token_id] + [t for m in messages for t in m.token_ids]
     assert tokens == reference.generate([prompt], SamplingParams(**sampling))[0].token_ids
-    _assert_all_blocks_free(cluster)
+    assert_all_blocks_free(cluster)
 
 
 def test_request_ended_by_token_one_never_reaches_decode(cluster):
@@ -185,8 +170,8 @@ def test_request_ended_by_token_one_never_reaches_decode(cluster):
     tokens, reason = _generate(cluster.router.address, _prompts(1, seed=8)[0], max_tokens=1)
     assert len(tokens) == 1 and reason == FinishReason.LENGTH
     assert _decode_requests_seen(cluster) == before
-    assert _load(decode_address, decode_pb2_grpc.DecodeServiceStub).num_running == 0
-    _assert_all_blocks_free(cluster)
+    assert load_report(decode_address, decode_pb2_grpc.DecodeServiceStub).num_running == 0
+    assert_all_blocks_free(cluster)
 
 
 def _decode_requests_seen(cluster) -> float:
@@ -214,7 +199,7 @@ def test_cancelled_stream_frees_blocks_on_both_pods(cluster):
                 cancelled.set()
                 break
     assert cancelled.is_set()
-    _assert_all_blocks_free(cluster)
+    assert_all_blocks_free(cluster)
 
 
 def test_a_request_id_already_in_flight_gets_already_exists(cluster):
@@ -233,7 +218,7 @@ def test_a_request_id_already_in_flight_gets_already_exists(cluster):
         first.cancel()
     assert second.value.code() == grpc.StatusCode.ALREADY_EXISTS
     assert "already in flight" in second.value.details()
-    _assert_all_blocks_free(cluster)
+    assert_all_blocks_free(cluster)
 
 
 def test_a_continuation_already_at_max_tokens_is_answered_complete(cluster):
@@ -263,7 +248,7 @@ def test_a_continuation_already_at_max_tokens_is_answered_complete(cluster):
         one = SamplingParams(max_tokens=1, ignore_eos=True)
         complete = decode([answer.first_token_id], one, answer.handle, "complete-handle")
         assert complete == [([], common_pb2.FINISH_REASON_LENGTH)]
-    _assert_all_blocks_free(cluster, timeout_s=LEASE_S / 3)  # released, not left to the lease's end
+    assert_all_blocks_free(cluster, timeout_s=LEASE_S / 3)  # released, not left to the lease's end
 
 
 @pytest.mark.parametrize(
@@ -286,7 +271,7 @@ def test_bad_input_gets_invalid_argument_and_leaves_nothing_behind(cluster, prom
         list(generate_pb2_grpc.GenerateServiceStub(channel).Generate(request, timeout=30))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in error.value.details()
-    _assert_all_blocks_free(cluster)
+    assert_all_blocks_free(cluster)
     assert all(service.is_running() for service in cluster.services)
 
 
