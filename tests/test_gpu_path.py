@@ -31,7 +31,7 @@ def test_decode_kernel_on_gpu(dtype, num_splits):
 @pytest.mark.parametrize("dtype,window", [(torch.bfloat16, None), (torch.bfloat16, 100), (torch.float32, None)])
 def test_prefill_kernel_on_gpu(dtype, window):
     check_spans([(300, 300), (65, 400), (1, 30), (128, 128)], num_heads=32, num_kv_heads=8, block_size=16,
-                dtype=dtype, window=window, block_m=64, block_n=64, device="cuda", head_dim=128)
+                dtype=dtype, window=window, block_m=None, block_n=64, device="cuda", head_dim=128)
 
 
 @pytest.fixture(autouse=True)

@@ -129,7 +129,11 @@ def check_spans(spans, num_heads, num_kv_heads, block_size, dtype, window=None, 
     for (query_len, context_len), table in zip(spans, tables):
         seq_spans.append(SequenceSpan(start, query_len, context_len, torch.tensor(table, device=device)))
         start += query_len
-    batch = triton_attention.span_batch(seq_spans, torch.device(device), block_m=block_m)
+    # block_m None: the engine's tile for this dtype; small tiles keep the interpreter quick.
+    tile = triton_attention.prefill_tile(dtype)
+    if block_m is not None:
+        tile = triton_attention.PrefillTile(block_m=block_m, num_warps=tile.num_warps)
+    batch = triton_attention.span_batch(seq_spans, torch.device(device), tile)
     scale = head_dim ** -0.5
     out = triton_attention.prefill_attention(query.to(device), key_cache.to(device), value_cache.to(device), batch,
                                              scale, window, block_n=block_n).cpu()

@@ -126,7 +126,8 @@ def _triton_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
             scale, sliding_window)
     if meta.spans:
         if meta.span_batch is None:
-            meta.span_batch = triton_attention.span_batch(meta.spans, query.device)
+            meta.span_batch = triton_attention.span_batch(meta.spans, query.device,
+                                                             triton_attention.prefill_tile(query.dtype))
         triton_attention.prefill_attention(query, key_cache, value_cache, meta.span_batch, scale,
                                            sliding_window, out=output)
     return output

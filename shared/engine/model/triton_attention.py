@@ -23,7 +23,6 @@ except ImportError:  # a CPU-only install: the runner never selects this path
 # Every key lives at block_table[t // block_size] * block_size + t % block_size; the kernels gather
 # key rows of BLOCK_N tokens at a time, so any block size works.
 _DECODE_BLOCK_N = 64
-_PREFILL_BLOCK_M = 64
 _PREFILL_BLOCK_N = 64
 _MAX_DECODE_SPLITS = 16
 _MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows, columns and inner size
@@ -42,6 +41,23 @@ def _dots_in_float32(dtype: torch.dtype) -> bool:
     # The interpreter's bfloat16 tl.dot returns garbage (triton 3.9), so it multiplies in float32;
     # float32 models multiply in full float32 (not TF32) to keep their fidelity to the reference.
     return dtype == torch.float32 or _interpreting()
+
+
+@dataclass(frozen=True)
+class PrefillTile:
+    """Queries per prefill program, and the warps that run it."""
+
+    block_m: int
+    num_warps: int
+
+
+def prefill_tile(dtype: torch.dtype) -> PrefillTile:
+    """Half-precision tiles multiply on tensor cores: 64 queries over 4 warps. float32 ones multiply in
+    full precision on the FMA units, where 64 queries over 4 warps need more than a thread's 255
+    registers and spill (ptxas for sm_90, scripts/kernel_aot_check.py); 32 over 8 warps do not."""
+    if dtype == torch.float32:
+        return PrefillTile(block_m=32, num_warps=8)
+    return PrefillTile(block_m=64, num_warps=4)
 
 
 def _pow2_at_least(n: int, floor: int = _MIN_DOT_ROWS) -> int:
@@ -278,11 +294,13 @@ class SpanBatch:
     block_table: torch.Tensor  # [S, max_blocks], padded with block 0
     tile_spans: torch.Tensor  # int32 [num_tiles]
     tile_rows: torch.Tensor  # int32 [num_tiles]
-    block_m: int
+    tile: PrefillTile
 
 
-def span_batch(spans, device: torch.device, block_m: int = _PREFILL_BLOCK_M) -> SpanBatch:
-    """spans: attention.SequenceSpan list (host ints, block_ids tensors on device)."""
+def span_batch(spans, device: torch.device, tile: PrefillTile) -> SpanBatch:
+    """spans: attention.SequenceSpan list (host ints, block_ids tensors on device); tile: prefill_tile()
+    of the model's dtype (or any, in tests)."""
+    block_m = tile.block_m
     starts = [span.query_start for span in spans]
     lens = [span.query_len for span in spans]
     contexts = [span.context_len for span in spans]
@@ -297,7 +315,7 @@ def span_batch(spans, device: torch.device, block_m: int = _PREFILL_BLOCK_M) -> 
         return torch.tensor(values, dtype=torch.int32, device=device)
 
     return SpanBatch(ints(starts), ints(lens), ints(contexts), table.to(device), ints(tile_spans),
-                     ints(tile_rows), block_m)
+                     ints(tile_rows), tile)
 
 
 def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -317,7 +335,7 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         batch.block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=_pow2_at_least(head_dim),
-        BLOCK_M=batch.block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size, WINDOW=sliding_window or 0,
-        IN_F32=_dots_in_float32(query.dtype),
+        BLOCK_M=batch.tile.block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size, WINDOW=sliding_window or 0,
+        IN_F32=_dots_in_float32(query.dtype), num_warps=batch.tile.num_warps,
     )
     return out
