@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -65,3 +66,14 @@ def test_a_run_cut_short_keeps_the_cases_it_measured(bench, tmp_path, monkeypatc
         bench.main()
     cases = [row["case"] for row in json.loads(out.read_text())["rows"]]
     assert cases == ["decode batch 1", "decode batch 4", "decode batch 8"]
+
+
+def test_runner_host_bench_times_every_case():
+    """benchmarks/bench_runner_host.py (the host share of a step): every case prints a figure."""
+    script = SCRIPT.parent / "bench_runner_host.py"
+    done = subprocess.run([sys.executable, str(script), "--steps", "10", "--context", "64", "--prefill-tokens", "128"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if "median" in line]
+    assert [line.split("median")[0].strip() for line in lines] == [
+        "decode batch   1", "decode batch  32", "decode batch 128", "prefill 128 tokens"]

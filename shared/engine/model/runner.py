@@ -9,12 +9,14 @@ import logging
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shared.engine.kv_transfer.connector import KVConnectorBase
 from shared.engine.model.attention import (
     CPU_DECODE_KERNEL, TRITON, AttentionMetadata, OutputRows, SequenceSpan, select_attention_backend,
 )
+from shared.engine.model.block_tables import BlockTables
 from shared.engine.model.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from shared.engine.grammar import allocate_bitmask, allowed_from_bitmask
 from shared.engine.model.loader import LoadedModel
@@ -40,7 +42,7 @@ class _RequestState:
     num_prompt_tokens: int
     sampling_params: SamplingParams
     seed: int  # the request's seed, or one the runner drew for it (so its samples stay batch-independent)
-    block_ids: list[int]
+    table_row: int  # its row in the runner's BlockTables
     num_computed_tokens: int
     output_start: int  # index in token_ids of the first output token (penalties count from it)
     stop_token_ids: frozenset[int]  # EOS (unless ignored) and the stop tokens: what min_tokens holds back
@@ -96,6 +98,7 @@ class ModelRunner:
         self.connector = connector
         self._seed_source = random.Random(seed)
         self.requests: dict[str, _RequestState] = {}
+        self.block_tables = BlockTables()
         # req_id -> first prompt position whose logprobs are not reported yet (survives preemption).
         self._prompt_logprobs_next: dict[str, int] = {}
         self._allocate_kv_cache()
@@ -141,19 +144,30 @@ class ModelRunner:
         """An index tensor on the runner's device."""
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
+    def _rows(self, tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """tensor[rows]; the tensor itself when rows are all of its rows in order (a decode step)."""
+        if len(rows) == tensor.shape[0] and rows == list(range(len(rows))):
+            return tensor
+        return tensor.index_select(0, self._ids(rows))
+
+    def _from_host(self, array: np.ndarray) -> torch.Tensor:
+        """An int64 host array as a tensor on the runner's device (a copy: the array may change)."""
+        return torch.from_numpy(array).to(self.device, copy=True)
+
     # ---- request state ----------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
+            self._forget(req_id)
             self._prompt_logprobs_next.pop(req_id, None)
         for req_id in so.preempted_req_ids or ():
-            self.requests.pop(req_id, None)
+            self._forget(req_id)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
+            self._forget(new.req_id)  # a request resumed without its preemption reported
             self.requests[new.req_id] = _RequestState(
                 token_ids=list(new.prefill_token_ids), num_prompt_tokens=len(new.prompt_token_ids),
-                sampling_params=params, seed=seed, block_ids=list(new.block_ids),
+                sampling_params=params, seed=seed, table_row=self.block_tables.add(list(new.block_ids)),
                 num_computed_tokens=new.num_computed_tokens,
                 output_start=len(new.prompt_token_ids) - new.num_prior_output_tokens,
                 stop_token_ids=self._stop_token_ids(params),
@@ -165,10 +179,15 @@ class ModelRunner:
             if state is None:
                 raise ValueError(f"scheduled cached request {req_id!r} is unknown to the runner")
             if cached.new_block_ids[i]:
-                state.block_ids.extend(cached.new_block_ids[i])
+                self.block_tables.extend(state.table_row, cached.new_block_ids[i])
             if cached.new_token_ids[i]:
                 state.token_ids.extend(cached.new_token_ids[i])
             state.num_computed_tokens = cached.num_computed_tokens[i]
+
+    def _forget(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self.block_tables.free(state.table_row)
 
     def _stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
         stop_ids = set(params.stop_token_ids)
@@ -192,8 +211,9 @@ class ModelRunner:
                     f"knows only {len(state.token_ids)} tokens"
                 )
             end = start + num_known + len(drafts)
-            if end > len(state.block_ids) * self.block_size:
-                raise ValueError(f"request {req_id!r}: {end} tokens do not fit its {len(state.block_ids)} blocks")
+            num_blocks = self.block_tables.num_blocks(state.table_row)
+            if end > num_blocks * self.block_size:
+                raise ValueError(f"request {req_id!r}: {end} tokens do not fit its {num_blocks} blocks")
             samples = start + num_known >= len(state.token_ids)
             scheduled.append(_ScheduledRequest(req_id, state, start, known + drafts, drafts, samples))
         # Single-token steps first: they share one batched decode attention.
@@ -235,19 +255,20 @@ class ModelRunner:
         )
 
     def _run(self, scheduled: list[_ScheduledRequest]) -> tuple[dict[str, list[int]], dict[str, list], dict[str, list]]:
-        input_ids, positions, slots = [], [], []
-        bs = self.block_size
+        input_ids, positions, rows, counts = [], [], [], []
         for r in scheduled:
             n = len(r.input_ids)
             input_ids.extend(r.input_ids)
-            pos = range(r.start, r.start + n)
-            positions.extend(pos)
-            table = r.state.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            positions.extend(range(r.start, r.start + n))
+            rows.append(r.state.table_row)
+            counts.append(n)
+        host_positions = np.array(positions, dtype=np.int64)
+        token_rows = rows if len(rows) == len(positions) else np.repeat(rows, counts)
+        slots = self.block_tables.slots(token_rows, host_positions, self.block_size)
         meta = self._attention_metadata(scheduled)
         ids_t = self._ids(input_ids)
-        pos_t = self._ids(positions)
-        meta.slot_mapping = self._ids(slots)
+        pos_t = self._from_host(host_positions)
+        meta.slot_mapping = self._from_host(slots)
         logit_rows, sample_slices, prompt_slices = self._select_logit_rows(scheduled)
         output_rows, hidden_rows = self._output_rows(scheduled, meta, logit_rows)
         if self._graph_runs(meta, output_rows):
@@ -256,7 +277,7 @@ class ModelRunner:
             hidden = self.model(ids_t, pos_t, self.layer_kv, meta, output_rows)
         if not logit_rows:
             return {}, {}, {}
-        logits = self.model.compute_logits(hidden[self._ids(hidden_rows)])
+        logits = self.model.compute_logits(self._rows(hidden, hidden_rows))
         sampled, sampled_lps = self._sample(scheduled, logits, sample_slices)
         lps = {}
         for r in scheduled:
@@ -340,7 +361,7 @@ class ModelRunner:
         if decodes:
             context = [r.start + 1 for r in decodes]
             width = max(-(-c // bs) for c in context)
-            table = self._ids([(r.state.block_ids[:width] + [0] * width)[:width] for r in decodes])
+            table = self._from_host(self.block_tables.gather([r.state.table_row for r in decodes], width))
             lens = self._ids(context)
             if not (self._uses_decode_kernel or self._uses_triton):
                 mask = self._decode_key_mask(lens, width * bs)
@@ -351,7 +372,7 @@ class ModelRunner:
         for r in scheduled[len(decodes):]:
             n = len(r.input_ids)
             context_len = r.start + n
-            block_ids = self._ids(r.state.block_ids[:-(-context_len // bs)])
+            block_ids = self._from_host(self.block_tables.blocks(r.state.table_row, -(-context_len // bs)))
             spans.append(SequenceSpan(query_start=row, query_len=n, context_len=context_len, block_ids=block_ids))
             row += n
         return AttentionMetadata(slot_mapping=None, num_decode_tokens=len(decodes), decode_block_table=table,
@@ -409,7 +430,7 @@ class ModelRunner:
                 seeds.append(r.state.seed)
                 positions.append(next_pos + j)
                 histories.append(self._history(r, masks.get(r.req_id)))
-        row_logits = logits.index_select(0, self._ids(rows))
+        row_logits = self._rows(logits, rows)
         tokens = sample(row_logits, params, seeds, positions, histories)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         row_lps = {}
