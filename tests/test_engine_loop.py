@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from shared.engine.kv_transfer.connector import KVConnectorBase, KVRole
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.serving.engine_thread import EngineLoop, EngineStopped
@@ -79,3 +80,30 @@ def test_a_crashing_engine_fails_every_stream_in_flight():
 
     loop = asyncio.run(asyncio.wait_for(run(), 30))
     assert isinstance(loop.error, RuntimeError)
+
+
+class _CountingConnector(KVConnectorBase):
+    """A producer with no holds, counting the idle progress calls (a NIXL agent's UCX progress)."""
+
+    def __init__(self):
+        super().__init__(KVRole.PRODUCER)
+        self.num_idle_progress = 0
+
+    def progress_while_idle(self) -> None:
+        self.num_idle_progress += 1
+
+
+def test_an_idle_loop_keeps_its_kv_transfers_progressing():
+    """A peer's READ can outlive the hold it reads (its client hung up): with no work left, this side's
+    UCX must still advance, or that READ and the peer's blocks wait for the next request."""
+    connector = _CountingConnector()
+    engine = LLMEngine("tiny", SchedulerConfig(max_model_len=512), CacheConfig(num_blocks=64), connector)
+
+    async def run() -> None:
+        loop = EngineLoop(engine)
+        loop.start()
+        await asyncio.sleep(0.3)  # about six idle waits
+        await loop.stop()
+
+    asyncio.run(run())
+    assert connector.num_idle_progress >= 3

@@ -203,6 +203,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def progress_kv_while_idle(self) -> None:
+        """The engine loop's call while nothing is scheduled and no KV work is pending."""
+        if self.connector is not None:
+            self.connector.progress_while_idle()
+
     def has_pending_kv_work(self) -> bool:
         """Steps are still needed without unfinished requests: runner state to drop, blocks held for a
         peer's pull, or connector transfers and notifications to drive."""

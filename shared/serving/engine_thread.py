@@ -191,6 +191,7 @@ class EngineLoop:
                 else:
                     self._wakeup.wait(IDLE_WAIT_S)
                     self._wakeup.clear()
+                    self.engine.progress_kv_while_idle()
             self._run_commands()  # aborts queued by stop()
             self._drain_aborted()
         except BaseException as exc:  # the pod must report it, not hang its clients

@@ -72,6 +72,9 @@ class KVConnectorBase:
         flight, events still to report."""
         return False
 
+    def progress_while_idle(self) -> None:
+        """Called on the engine thread every idle wait, when no step runs (nothing to do)."""
+
     # ---- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Register the paged KV tensors (layer name -> tensor) for transfers."""

@@ -53,6 +53,13 @@ class NixlConnector(KVConnectorBase):
     def release_all(self) -> None:
         """End every hold (shutdown); a consumer holds none."""
 
+    def progress_while_idle(self) -> None:
+        # UCX advances only inside calls into the agent. A peer's READ that is still wiring up (a first
+        # meeting) or runs over TCP needs this side too, also once no hold is left here: a client that
+        # hung up after token 1 ends the hold while the decode pod's READ is under way, and that READ
+        # would then wait for this pod's next request, with the decode pod's blocks.
+        self.agent.progress()
+
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.agent.register_kv_caches(list(kv_caches.values()))
 
