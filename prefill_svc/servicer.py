@@ -148,8 +148,9 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
 
     async def ReleaseKv(self, request: prefill_pb2.ReleaseKvRequest, context):
         await self.require_pod(context)
-        intact = self.pod.connector.release(request.request_id, request.engine_id, request.prompt_digest)
-        if request.engine_id == self.pod.engine_id:
+        engine_id = request.engine_id or self.pod.engine_id
+        intact = self.pod.connector.release(request.request_id, engine_id, request.prompt_digest)
+        if engine_id == self.pod.engine_id:
             self._end_hold_span(request.request_id, HOLD_RELEASED if intact else HOLD_EXPIRED)
         span = trace.get_current_span()
         span.set_attribute(SpanAttr.REQUEST_ID, request.request_id)

@@ -66,6 +66,9 @@ class _Hold:
 
 # Failures that mean "this worker could not take the call": try another one.
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# How a Prefill call can end here after the pod finished it: the pod's answer (and the handle of the hold
+# it made) never reached the router.
+_ANSWER_MAY_BE_LOST = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
 class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
@@ -343,8 +346,9 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             while True:
                 done, _ = await asyncio.wait({call}, timeout=self._prefill.config.health_interval_s)
                 if done:
+                    result = call.result()  # raises the call's error: then the finally below runs
                     is_answered = True
-                    return call.result()
+                    return result
                 if time.monotonic() >= stalled_at and not self._prefill.is_healthy(address):
                     raise Stalled(f"no answer from {address} for {self._config.stall_timeout_s} s, "
                                    "and it fails its health probes")
@@ -355,11 +359,17 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 call.cancel()
 
     def _release_unclaimed(self, address: str, request_id: str, call: asyncio.Future) -> None:
-        if call.cancelled() or call.exception() is not None:
+        """A Prefill call whose answer the request will not use: end the hold the pod may have made."""
+        if not call.cancelled() and call.exception() is None:
+            result = call.result()
+            if result.handle is not None:
+                self._abandon(_Hold(address, request_id, result.handle))
             return
-        result = call.result()
-        if result.handle is not None:
-            self._abandon(_Hold(address, request_id, result.handle))
+        error = None if call.cancelled() else call.exception()
+        if error is None or (isinstance(error, grpc.aio.AioRpcError) and error.code() in _ANSWER_MAY_BE_LOST):
+            # The pod may have answered, and made its hold, just as the call ended here: the answer is
+            # lost, but the request id still names the hold.
+            self._spawn(self._release_by_request_id(address, request_id))
 
     # ---- decode -------------------------------------------------------------------------------
     async def _run_decode(
@@ -517,6 +527,13 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             logger.info(
                 "request %s: releasing the KV hold on %s failed: %s", hold.request_id, hold.prefill_address, exc
             )
+
+    async def _release_by_request_id(self, address: str, request_id: str) -> None:
+        try:
+            with self._prefill.use(address) as client:
+                await client.release_kv(request_id, engine_id="")  # "": whichever engine the pod runs now
+        except (grpc.aio.AioRpcError, LookupError) as exc:
+            logger.info("request %s: releasing any KV hold on %s failed: %s", request_id, address, exc)
 
     async def drain(self) -> None:
         """Waits for pending hold releases (called at shutdown)."""

@@ -139,6 +139,20 @@ def test_confirmation_for_another_prompt_is_not_intact(cluster):
     _wait_until_nothing_is_held(cluster)
 
 
+def test_a_release_without_an_engine_id_ends_the_current_engines_hold(cluster):
+    """What a router sends when its Prefill call ended (deadline, cancel) as the answer was on its way."""
+    prompt = _prompt(5)
+    answer = _prefill(cluster, "unclaimed-1", prompt)
+    assert answer.HasField("handle") and _held_blocks(cluster) > 0
+    assert _release(cluster, "unclaimed-1", "", prompt_digest(prompt, BLOCK_SIZE)) is True
+    _wait_until_nothing_is_held(cluster, timeout_s=1.0)
+    answer = _prefill(cluster, "unclaimed-2", prompt)
+    assert _release(cluster, "unclaimed-2", "another-engine") is False  # a named engine must match
+    assert _held_blocks(cluster) > 0
+    assert _release(cluster, "unclaimed-2", "") is False  # abandoned: ends the hold, nothing pulled is good
+    _wait_until_nothing_is_held(cluster, timeout_s=1.0)
+
+
 def _tampered(handle: common_pb2.KvHandle, **changes) -> common_pb2.KvHandle:
     forged = common_pb2.KvHandle()
     forged.CopyFrom(handle)

@@ -54,6 +54,8 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
         # real prefill pods do; without, it answers as a pod older than resolved_sampling.
         self.defaults = defaults
         self.calls, self.released = [], []
+        self.released_engine_ids = []
+        self.release_arrived = asyncio.Event()
 
     async def Prefill(self, request, context):
         self.calls.append(request)
@@ -79,6 +81,8 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
 
     async def ReleaseKv(self, request, context):
         self.released.append(request.request_id)
+        self.released_engine_ids.append(request.engine_id)
+        self.release_arrived.set()
         return prefill_pb2.ReleaseKvResponse(intact=True)
 
     async def GetLoad(self, request, context):
@@ -530,19 +534,23 @@ def test_client_cancellation_reaches_decode():
     run(scenario())
 
 
+class SlowPrefill(FakePrefill):
+    """Answers nothing for 30 s."""
+
+    def __init__(self):
+        super().__init__()
+        self.cancelled = asyncio.Event()
+
+    async def Prefill(self, request, context):
+        self.calls.append(request)
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
 def test_cancellation_during_prefill_reaches_the_prefill_pod():
-    class SlowPrefill(FakePrefill):
-        def __init__(self):
-            super().__init__()
-            self.cancelled = asyncio.Event()
-
-        async def Prefill(self, request, context):
-            try:
-                await asyncio.sleep(30)
-            except asyncio.CancelledError:
-                self.cancelled.set()
-                raise
-
     async def scenario():
         prefill = SlowPrefill()
         async with Cluster([prefill], [FakeDecode()]) as cluster:
@@ -550,6 +558,25 @@ def test_cancellation_during_prefill_reaches_the_prefill_pod():
             await asyncio.sleep(0.3)
             task.cancel()
             await asyncio.wait_for(prefill.cancelled.wait(), 5)
+            # The pod may have answered just as the call ended: any hold it made goes, by request id.
+            await asyncio.wait_for(prefill.release_arrived.wait(), 5)
+        assert prefill.released == [prefill.calls[0].request_id]
+        assert prefill.released_engine_ids == [""]
+
+    run(scenario())
+
+
+def test_a_deadline_during_prefill_releases_any_hold_by_request_id():
+    """The pod's answer (and its hold's handle) can be on the wire when the deadline ends the call."""
+    async def scenario():
+        prefill = SlowPrefill()
+        async with Cluster([prefill], [FakeDecode()]) as cluster:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await cluster.generate([2], max_tokens=5, timeout=0.3)
+            await asyncio.wait_for(prefill.release_arrived.wait(), 5)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert prefill.released == [prefill.calls[0].request_id]
+        assert prefill.released_engine_ids == [""]
 
     run(scenario())
 
