@@ -36,6 +36,48 @@ async def check(stub, service=""):
     return response.status
 
 
+class LateGenerate(generate_pb2_grpc.GenerateServiceServicer):
+    """Fails its abort because the call's deadline ended the call first (the router's race)."""
+
+    def __init__(self):
+        self.raised = asyncio.Event()
+
+    async def Generate(self, request, context):
+        yield generate_pb2.GenerateResponse(token_ids=[1])
+        try:
+            await asyncio.sleep(30)  # the deadline ends the call and cancels this wait
+        except asyncio.CancelledError:
+            pass  # as the router's handler, mapping its own downstream DEADLINE_EXCEEDED to an abort
+        try:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "too late")
+        finally:
+            self.raised.set()
+
+
+def test_an_error_after_the_call_ended_is_not_reported_as_unexpected(caplog):
+    async def scenario():
+        servicer = LateGenerate()
+        server = GrpcServer(ServerOptions(host="127.0.0.1", port=0, grace_seconds=1.0))
+        server.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer, SERVICE)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = generate_pb2_grpc.GenerateServiceStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for _ in stub.Generate(generate_pb2.GenerateRequest(text="x"), timeout=0.3):
+                        pass
+                assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await asyncio.wait_for(servicer.raised.wait(), 5)
+            await asyncio.sleep(0.1)
+        finally:
+            await server.stop(0)
+
+    with caplog.at_level("INFO", logger="shared.serving.grpc_server"):
+        asyncio.run(scenario())
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert "after the call had ended" in caplog.text
+
+
 @pytest.mark.timeout(30)
 def test_health_lifecycle():
     async def scenario():

@@ -127,6 +127,11 @@ _PASS_THROUGH = (asyncio.CancelledError, grpc.aio.AbortError)
 
 
 async def _abort_internal(context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
+    if context.done():
+        # The call already ended (its deadline passed, or the client left): nobody to answer, and grpc
+        # refuses an abort now. Typically the handler's own abort, racing that end, is what raised.
+        logger.info("%s raised %s after the call had ended: %s", method, type(exc).__name__, exc)
+        return
     logger.exception("unexpected error in %s", method, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}")
 
