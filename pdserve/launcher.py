@@ -24,11 +24,23 @@ HOST = "127.0.0.1"
 DEFAULT_START_TIMEOUT_S = 120.0
 
 
+# Where free_port() looks: below Linux's ephemeral range (32768-60999), which the kernel also hands to
+# every outgoing connection, so a port picked there can be taken by some client's connect() before the
+# service binds it; and clear of the KV transfer ports (20000-20099 by default).
+_SERVICE_PORTS = range(10000, 20000)
+
+
 def free_port(host: str = HOST) -> int:
     """A port nothing listens on right now (the service binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    for _ in range(100):
+        port = secrets.choice(_SERVICE_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue  # in use: try another
+            return port
+    raise RuntimeError(f"no free port in {_SERVICE_PORTS.start}-{_SERVICE_PORTS.stop - 1} on {host}")
 
 
 @dataclass
