@@ -108,6 +108,26 @@ def test_generation_config_adds_eos_ids_and_sampling_defaults(checkpoint, free_r
     assert load_model(path).generation.fill(SamplingParams(temperature=1.0, unset={"temperature"})).is_greedy
 
 
+def test_generation_config_from_a_folder_and_overrides(checkpoint, tmp_path):
+    """vLLM's --generation-config PATH and --override-generation-config."""
+    path = _with_config(checkpoint, tmp_path / "model")
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 12}))
+    folder = tmp_path / "recommended"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_k": 5}))
+    assert load_model(path, generation_config=str(folder)).generation.sampling == {"temperature": 0.3, "top_k": 5}
+    merged = load_model(path, generation_overrides={"temperature": 0.5, "repetition_penalty": 1.2}).generation
+    assert merged.sampling == {"temperature": 0.5, "top_p": 0.9, "max_tokens": 12, "repetition_penalty": 1.2}
+    greedy = load_model(path, generation_overrides={"do_sample": False}).generation
+    assert greedy.sampling_params().is_greedy and greedy.sampling["max_tokens"] == 12
+    only = load_model(path, generation_config="vllm", generation_overrides={"top_k": 8}).generation
+    assert only.sampling == {"top_k": 8}
+    with pytest.raises(ValueError, match="min_p cannot be set"):
+        load_model(path, generation_overrides={"min_p": 0.1})
+    with pytest.raises(ValueError, match="is neither"):
+        load_model(path, generation_config=str(tmp_path / "missing"))
+
+
 @pytest.mark.timeout(60, method="thread")
 def test_prefill_sees_every_eos_id_for_token_one(checkpoint, free_run, tmp_path):
     """A producer whose token 1 is a further EOS id hands nothing off: the request ends with stop."""

@@ -18,7 +18,7 @@ POD_FLAGS = [
     "--generation-config",
     "--block-size", "--num-blocks", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
     "--no-prefix-caching", "--device", "--num-threads", "--max-requests-in-flight", "--grace-seconds",
-    "--enforce-eager",
+    "--enforce-eager", "--override-generation-config",
 ]
 ROUTER_FLAGS = [
     "--host", "--port", "--prefill", "--decode", "--policy", "--metrics-port", "--otlp-endpoint", "--tokenizer",
@@ -62,6 +62,23 @@ def test_flags_land_in_the_composed_configs():
     assert prefill_client_config(args).prefill_rpc_timeout_s == 1.5
     with pytest.raises(ValueError, match="num_blocks"):
         decode_config(decode_parser().parse_args(["--num-blocks", "1"]))
+
+
+def test_generation_config_takes_a_folder_and_overrides_as_vllms_flags(tmp_path):
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.3}')
+    args = prefill_parser().parse_args(["--generation-config", str(tmp_path),
+                                        "--override-generation-config", '{"top_k": 5, "do_sample": true}'])
+    config = prefill_config(args)
+    assert config.generation_config == str(tmp_path)
+    assert config.generation_overrides == {"top_k": 5, "do_sample": True}
+    for flags, refusal in [
+        (["--generation-config", str(tmp_path / "nowhere")], "a folder holding a generation_config.json"),
+        (["--override-generation-config", '{"min_p": 0.05}'], "min_p cannot be set"),
+        (["--override-generation-config", '{"top_p": 0}'], "top_p must be in"),
+        (["--override-generation-config", "temperature=0.5"], "not JSON"),
+    ]:
+        with pytest.raises(ValueError, match=refusal):
+            prefill_config(prefill_parser().parse_args(flags))
 
 
 def test_router_flags_build_one_composed_config():

@@ -3,6 +3,7 @@ engine loop thread, admission limits and the load report. Both tiers build one; 
 """
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 import dataclasses
@@ -19,7 +20,9 @@ from shared.engine.kv_transfer.nixl_connector import NixlConnector
 from shared.engine.kv_transfer.nixl_consumer import NixlConsumer
 from shared.engine.kv_transfer.nixl_producer import NixlProducer
 from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
-from shared.engine.model.generation_config import GENERATION_CONFIG_AUTO, GENERATION_CONFIG_CHOICES
+from shared.engine.model.generation_config import (
+    GENERATION_CONFIG_AUTO, OVERRIDABLE_FIELDS, check_generation_config_mode, check_generation_overrides,
+)
 from shared.engine.model.loader import DTYPE_AUTO, DTYPE_CHOICES, load_model
 from shared.engine.request import Request, SamplingParams
 from shared.serving.outcomes import InvalidRequest, PodOverloaded
@@ -61,8 +64,13 @@ class PodConfig:
     ))
     generation_config: str = field(default=GENERATION_CONFIG_AUTO, metadata=setting(
         "auto: sampling fields a request leaves unset take the model's generation_config.json defaults "
-        "(temperature, top_p, top_k, repetition_penalty); vllm: ignore them, as vLLM's flag (split: the "
-        "prefill pod's decides, decode continues with the params it resolved)", choices=GENERATION_CONFIG_CHOICES
+        "(max_new_tokens, temperature, top_p, top_k, repetition_penalty); vllm: ignore them; a folder: take "
+        "those of its generation_config.json instead; as vLLM's flag (split: the prefill pod's decides, "
+        "decode continues with the params it resolved)"
+    ))
+    override_generation_config: str = field(default="", metadata=setting(
+        "a JSON object merged over those defaults (under vllm: the only ones), in generation_config.json's "
+        f"field names ({', '.join(OVERRIDABLE_FIELDS)}), e.g. '{{\"temperature\": 0.5}}'; as vLLM's flag"
     ))
     scheduler: SchedulerConfig = field(default_factory=serving_scheduler_config, metadata=engine_settings(
         max_num_seqs="most requests computed in one step",
@@ -102,7 +110,22 @@ class PodConfig:
     # Signs and checks KV handles (shared/serving/handle_key.py says where it comes from); None: unsigned.
     kv_handle_key: bytes | None = field(default=None, repr=False)
 
+    @property
+    def generation_overrides(self) -> dict:
+        """override_generation_config parsed (ValueError when it is not a JSON object)."""
+        if not self.override_generation_config:
+            return {}
+        try:
+            overrides = json.loads(self.override_generation_config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"override_generation_config is not JSON: {exc}") from None
+        if not isinstance(overrides, dict):
+            raise ValueError(f"override_generation_config must be a JSON object, got {self.override_generation_config!r}")
+        return overrides
+
     def __post_init__(self) -> None:
+        check_generation_config_mode(self.generation_config)
+        check_generation_overrides(self.generation_overrides)
         if self.max_requests_in_flight < 1:
             raise ValueError(f"max_requests_in_flight must be >= 1, got {self.max_requests_in_flight}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -121,7 +144,8 @@ class Pod:
         self.role = role
         self.config = config
         loaded = load_model(config.model, dtype=config.dtype, seed=config.seed, device=config.device,
-                            generation_config=config.generation_config)
+                            generation_config=config.generation_config,
+                            generation_overrides=config.generation_overrides)
         logger.info("sampling defaults (--generation-config %s): %s", config.generation_config,
                     loaded.generation.describe())
         model_config = loaded.config

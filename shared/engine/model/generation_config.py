@@ -8,7 +8,9 @@ before anything reads max_tokens, LLMEngine.add_request fills the rest); do_samp
 greedy, as transformers reads it. max_new_tokens is a default, not a cap, as in vLLM since its PR 34063
 (get_max_tokens): a request that names max_tokens keeps it, one that names none gets max_new_tokens
 bounded by the room the model's length leaves. `vllm` ignores the file's sampling (its EOS ids still end
-requests), as vLLM does.
+requests), as vLLM does. As in vLLM, the mode may also name a folder whose generation_config.json
+replaces the model's sampling defaults, and overrides (vLLM's --override-generation-config, in the file's
+own field names) are merged over the file's defaults, or are the only ones under `vllm`.
 """
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 # vLLM's --generation-config modes: take the checkpoint's sampling defaults, or ignore them.
 GENERATION_CONFIG_AUTO = "auto"
 GENERATION_CONFIG_VLLM = "vllm"
-GENERATION_CONFIG_CHOICES = (GENERATION_CONFIG_AUTO, GENERATION_CONFIG_VLLM)
+GENERATION_CONFIG_CHOICES = (GENERATION_CONFIG_AUTO, GENERATION_CONFIG_VLLM)  # or a folder's path
+# The generation_config.json fields requests take defaults from: what an override may set.
+OVERRIDABLE_FIELDS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty")
 # Sampling settings a generation_config.json may recommend that requests do not take from it (min_p and
 # typical_p: SamplingParams has no such field; the penalties: vLLM does not default them either).
 _UNSUPPORTED_SAMPLING = ("min_p", "typical_p", "presence_penalty", "frequency_penalty")
@@ -78,18 +82,53 @@ def eos_ids(value: Any) -> tuple[int, ...]:
 
 
 def generation_defaults(config_eos_token_ids: tuple[int, ...], model_dir: Path | None,
-                        mode: str = GENERATION_CONFIG_AUTO) -> GenerationDefaults:
+                        mode: str = GENERATION_CONFIG_AUTO,
+                        overrides: dict[str, Any] | None = None) -> GenerationDefaults:
     """The EOS ids of config.json merged with generation_config.json's (config.json's first, no repeats),
-    and the sampling defaults the latter sets (none in mode "vllm")."""
-    if mode not in GENERATION_CONFIG_CHOICES:
-        raise ValueError(f"generation_config must be one of {GENERATION_CONFIG_CHOICES}, got {mode!r}")
-    generation: dict[str, Any] = {}
-    if model_dir is not None and (model_dir / GENERATION_CONFIG_FILE).is_file():
-        with (model_dir / GENERATION_CONFIG_FILE).open() as f:
-            generation = json.load(f)
-    ids = tuple(dict.fromkeys(config_eos_token_ids + eos_ids(generation.get("eos_token_id"))))
-    sampling = _sampling_defaults(generation) if mode == GENERATION_CONFIG_AUTO else {}
-    return GenerationDefaults(eos_token_ids=ids, sampling=sampling)
+    and the sampling defaults: the model's file's ("auto"), none ("vllm"), or those of the
+    generation_config.json in the folder mode names; overrides on top of them."""
+    check_generation_config_mode(mode)
+    overrides = check_generation_overrides(overrides or {})
+    generation = _read_generation_config(model_dir)
+    ids = config_eos_token_ids + eos_ids(generation.get("eos_token_id"))
+    if mode == GENERATION_CONFIG_VLLM:
+        recommended = {}
+    elif mode == GENERATION_CONFIG_AUTO:
+        recommended = generation
+    else:
+        recommended = _read_generation_config(Path(mode))
+        ids += eos_ids(recommended.get("eos_token_id"))
+    sampling = _sampling_defaults({**recommended, **overrides})
+    return GenerationDefaults(eos_token_ids=tuple(dict.fromkeys(ids)), sampling=sampling)
+
+
+def check_generation_config_mode(mode: str) -> None:
+    """ValueError unless mode is "auto", "vllm" or a folder holding a generation_config.json."""
+    if mode in GENERATION_CONFIG_CHOICES:
+        return
+    if not (Path(mode) / GENERATION_CONFIG_FILE).is_file():
+        raise ValueError(f"generation_config must be {' or '.join(GENERATION_CONFIG_CHOICES)}, or a folder "
+                         f"holding a {GENERATION_CONFIG_FILE}; {mode!r} is neither")
+
+
+def check_generation_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """The overrides, refused by name when a field is not one requests take a default from."""
+    unknown = sorted(set(overrides) - set(OVERRIDABLE_FIELDS))
+    if unknown:
+        raise ValueError(f"generation config overrides: {', '.join(unknown)} cannot be set (the fields "
+                         f"requests take defaults from: {', '.join(OVERRIDABLE_FIELDS)})")
+    try:
+        _sampling_defaults(overrides)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"generation config overrides {overrides}: {exc}") from None
+    return overrides
+
+
+def _read_generation_config(folder: Path | None) -> dict[str, Any]:
+    if folder is None or not (folder / GENERATION_CONFIG_FILE).is_file():
+        return {}
+    with (folder / GENERATION_CONFIG_FILE).open() as f:
+        return json.load(f)
 
 
 def _sampling_defaults(generation: dict[str, Any]) -> dict[str, Any]:

@@ -35,14 +35,17 @@ class LoadedModel:
 
 
 def load_model(source: str | Path, dtype: str | None = DTYPE_AUTO, seed: int = 0,
-               device: torch.device | str = "cpu", generation_config: str = GENERATION_CONFIG_AUTO) -> LoadedModel:
+               device: torch.device | str = "cpu", generation_config: str = GENERATION_CONFIG_AUTO,
+               generation_overrides: dict[str, Any] | None = None) -> LoadedModel:
     """source: a preset name ("tiny", "100m") for random weights from seed, or an HF model directory.
     dtype: "float32", "bfloat16", or "auto" (None too): the checkpoint's own dtype when the model will run
     on a GPU, float32 on the CPU (where bfloat16 matmuls are slower, and float32 matches transformers).
-    generation_config: "auto" takes generation_config.json's sampling defaults, "vllm" ignores them."""
+    generation_config: "auto" takes generation_config.json's sampling defaults, "vllm" ignores them, a
+    folder's path takes those of its generation_config.json; generation_overrides (that file's field
+    names) go on top."""
     requested = dtype
     dtype = _resolve_dtype(dtype, device)
-    loaded = _load(source, dtype, seed, device, generation_config)
+    loaded = _load(source, dtype, seed, device, generation_config, generation_overrides)
     how = "as asked" if requested not in (None, DTYPE_AUTO) else f"auto on {torch.device(device).type}"
     logger.info("model %s: dtype %s (%s)", loaded.config.name, loaded.config.dtype, how)
     return loaded
@@ -58,7 +61,7 @@ def _resolve_dtype(dtype: str | None, device: torch.device | str) -> str | None:
 
 
 def _load(source: str | Path, dtype: str | None, seed: int, device: torch.device | str,
-          generation_config: str) -> LoadedModel:
+          generation_config: str, generation_overrides: dict[str, Any] | None) -> LoadedModel:
     if isinstance(source, str) and source in PRESETS:
         config = preset(source, dtype)
         # The presets ship their own tokenizer, so the built-in models take text (the large ones: ids only).
@@ -68,7 +71,8 @@ def _load(source: str | Path, dtype: str | None, seed: int, device: torch.device
         # so a preset has the same weights on every device.
         build_on = device if source in LARGE_PRESETS else "cpu"
         return LoadedModel(config=config, model=random_model(config, seed, build_on), tokenizer=tokenizer,
-                           generation=generation_defaults(config.eos_token_ids, None, generation_config))
+                           generation=generation_defaults(config.eos_token_ids, None, generation_config,
+                                                          generation_overrides))
     path = Path(source)
     if not path.is_dir():
         raise ValueError(f"model {str(source)!r} is neither a built-in ({sorted(PRESETS)}) nor a directory")
@@ -79,7 +83,8 @@ def _load(source: str | Path, dtype: str | None, seed: int, device: torch.device
     model = LlamaModel(config)
     load_hf_weights(model, _read_safetensors(path, config.torch_dtype))
     return LoadedModel(config=config, model=model.eval(), tokenizer=load_tokenizer(path, required=False),
-                       generation=generation_defaults(config.eos_token_ids, path, generation_config))
+                       generation=generation_defaults(config.eos_token_ids, path, generation_config,
+                                                      generation_overrides))
 
 
 def random_model(config: ModelArchConfig, seed: int, device: torch.device | str = "cpu") -> LlamaModel:
