@@ -129,3 +129,13 @@ def test_enforce_eager_turns_the_engines_cuda_graphs_off(monkeypatch):
     pod_runtime.Pod(None, PodConfig(**small, enforce_eager=True))
     pod_runtime.Pod(None, PodConfig(**small))
     assert seen == [False, None]
+
+
+def test_a_pod_fills_unset_fields_from_its_overrides():
+    from shared.engine.request import SamplingParams
+    from shared.serving.pod_runtime import Pod
+
+    small = dict(model="tiny", cache=dataclasses.replace(PodConfig().cache, num_blocks=256))
+    pod = Pod(None, PodConfig(**small, override_generation_config='{"temperature": 0.5, "max_new_tokens": 7}'))
+    filled = pod.fill_sampling(SamplingParams(unset={"temperature", "max_tokens"}), num_prompt_tokens=10)
+    assert (filled.temperature, filled.max_tokens) == (0.5, 7)
