@@ -68,6 +68,7 @@ def test_a_run_cut_short_keeps_the_cases_it_measured(bench, tmp_path, monkeypatc
     assert cases == ["decode batch 1", "decode batch 4", "decode batch 8"]
 
 
+@pytest.mark.e2e  # a subprocess
 def test_runner_host_bench_times_every_case():
     """benchmarks/bench_runner_host.py (the host share of a step): every case prints a figure."""
     script = SCRIPT.parent / "bench_runner_host.py"
