@@ -1,15 +1,28 @@
-"""Sampler behaviour: greedy, temperature, top-k, top-p, (seed, position) determinism, prompt logprobs."""
+"""Sampler behaviour: greedy, temperature, top-k, top-p, (seed, position) determinism, batch independence,
+prompt logprobs."""
 from __future__ import annotations
 
 import torch
 
-from shared.engine.model.sampler import filtered_probs, mix_seed, prompt_logprobs, sample, sample_row
+from shared.engine.model import sampler
+from shared.engine.model.sampler import filtered_probs, mix_seed, prompt_logprobs, sample
 from shared.engine.model.spec_decode import NgramProposer
 from shared.engine.request import SamplingParams
 
 
 def _logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
+    """One row of [V] logits, alone in its batch."""
+    return sample(logits.unsqueeze(0), [params], [seed], [position])[0]
+
+
+def _probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One row's filtered distribution, renormalised."""
+    weights = filtered_probs(logits.unsqueeze(0), [params])[0]
+    return weights / weights.sum()
 
 
 def test_greedy_picks_argmax():
@@ -44,29 +57,48 @@ def test_seeded_row_is_batch_independent():
     assert batch == alone
 
 
+def test_mixed_filters_are_batch_independent_and_match_the_row_alone(monkeypatch):
+    """Rows with different temperature, top-k and top-p in one batch, greedy ones among them, and a
+    nucleus wider than the candidates searched first (the whole-vocabulary path for that row only)."""
+    monkeypatch.setattr(sampler, "_NUCLEUS_CANDIDATES", 8)
+    logits = _logits(rows=8, vocab=2000, seed=3)
+    logits[5] /= 20  # a flat row: its 0.95 nucleus holds far more than 8 tokens
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
+              SamplingParams(temperature=0.9, top_p=0.5), SamplingParams(),
+              SamplingParams(temperature=1.0, top_k=40, top_p=0.8), SamplingParams(temperature=1.0, top_p=0.95),
+              SamplingParams(temperature=0.5, top_k=1), SamplingParams(temperature=2.0, top_p=0.3)]
+    for position in range(20):
+        seeds, positions = list(range(8)), [position] * 8
+        batch = sample(logits, params, seeds, positions)
+        alone = [sample(logits[i:i + 1], [params[i]], [i], [position])[0] for i in range(8)]
+        assert batch == alone
+        assert batch[3] == int(logits[3].argmax()) and batch[6] == int(logits[6].argmax())
+        assert batch[1] in logits[1].topk(5).indices.tolist()
+
+
 def test_top_k_restricts_support():
     logits = _logits(rows=1, vocab=100)[0]
     params = SamplingParams(temperature=1.0, top_k=3)
     allowed = set(logits.topk(3).indices.tolist())
-    probs = filtered_probs(logits, params)
+    probs = _probs(logits, params)
     assert set(probs.nonzero().flatten().tolist()) == allowed
     assert all(sample_row(logits, params, 5, pos) in allowed for pos in range(200))
 
 
 def test_top_p_keeps_smallest_nucleus():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    probs = _probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
     assert probs[2:].sum() == 0
     torch.testing.assert_close(probs[:2], torch.tensor([0.625, 0.375]))
     # Boundary: mass 0.8 exactly reached by the first two tokens keeps only those two.
-    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    probs = _probs(logits, SamplingParams(temperature=1.0, top_p=0.8))
     assert probs.nonzero().flatten().tolist() == [0, 1]
 
 
 def test_temperature_sharpens_and_flattens():
     logits = _logits(rows=1, vocab=20)[0]
-    cold = filtered_probs(logits, SamplingParams(temperature=0.1))
-    hot = filtered_probs(logits, SamplingParams(temperature=10.0))
+    cold = _probs(logits, SamplingParams(temperature=0.1))
+    hot = _probs(logits, SamplingParams(temperature=10.0))
     assert cold.max() > 0.9
     assert hot.max() < 0.3
 
@@ -77,6 +109,16 @@ def test_sampling_matches_distribution():
     draws = [sample_row(logits, params, 1, pos) for pos in range(3000)]
     freq = torch.bincount(torch.tensor(draws), minlength=3).float() / len(draws)
     torch.testing.assert_close(freq, torch.tensor([0.6, 0.3, 0.1]), atol=0.03, rtol=0)
+
+
+def test_filtered_distributions_are_sampled_in_proportion():
+    """top-k 3 of [0.4, 0.3, 0.2, 0.1] is [4/9, 3/9, 2/9]; top-p 0.6 keeps the first two as [4/7, 3/7]."""
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    for params, expected in ((SamplingParams(temperature=1.0, top_k=3), [4 / 9, 3 / 9, 2 / 9, 0.0]),
+                             (SamplingParams(temperature=1.0, top_p=0.6), [4 / 7, 3 / 7, 0.0, 0.0])):
+        draws = sample(logits.expand(4000, 4), [params] * 4000, [9] * 4000, list(range(4000)))
+        freq = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
+        torch.testing.assert_close(freq, torch.tensor(expected), atol=0.03, rtol=0)
 
 
 def test_prompt_logprobs_report_actual_and_top_tokens():

@@ -2,8 +2,11 @@
 logits processing (logit bias, min_tokens, presence/frequency/repetition penalties, grammar masks);
 prompt and output logprobs.
 
-A seeded request draws its noise from a generator seeded by mixing its seed with the position of the
-token being sampled, so it samples the same tokens in any process, on any pod and in any batch.
+A random row draws its token by inverse transform: one uniform number, made from the request's seed
+mixed with the position of the token being sampled, picks a point of the row's filtered distribution.
+Every step of that is per row (elementwise, or a reduction along the row's own vocabulary), so a
+seeded request samples the same token in any process, on any pod and in any batch, and all the random
+rows of a step are drawn at once, on the logits' device.
 """
 from __future__ import annotations
 
@@ -15,6 +18,9 @@ import torch
 from shared.engine.request import SamplingParams, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
+# Top-p looks for the nucleus among this many most likely tokens first (a language model's usually lies
+# there), and sorts the whole vocabulary only for the rows whose nucleus does not.
+_NUCLEUS_CANDIDATES = 1024
 
 
 def mix_seed(seed: int, position: int) -> int:
@@ -51,12 +57,27 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     tokens = logits.argmax(dim=-1).tolist()
     random_rows = [row for row, p in enumerate(params) if not p.is_greedy]
     if random_rows:
-        # The draws run on the CPU (sample_row): one device-to-host copy for all rows, not a sync per row.
-        on_host = logits if logits.device.type == "cpu" else logits[random_rows].cpu()
-        for i, row in enumerate(random_rows):
-            row_logits = on_host[row] if on_host is logits else on_host[i]
-            tokens[row] = sample_row(row_logits, params[row], seeds[row], positions[row])
+        picked = logits if len(random_rows) == len(params) else logits[random_rows]
+        drawn = draw(picked, [params[row] for row in random_rows], [uniform(seeds[row], positions[row])
+                                                                    for row in random_rows])
+        for row, token in zip(random_rows, drawn):
+            tokens[row] = token
     return tokens
+
+
+def uniform(seed: int, position: int) -> float:
+    """The request's uniform number in [0, 1) for the token at this position (52 bits: u * total < total
+    in float64 for any total, so the draw never falls past the last token)."""
+    return (mix_seed(seed, position) >> 11) / float(1 << 52)
+
+
+def draw(logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float]) -> list[int]:
+    """One token per row of logits [R, V]: the first whose cumulative filtered probability exceeds
+    uniforms[r] times the row's total (tokens filtered out have probability 0 and are never drawn)."""
+    cdf = filtered_probs(logits, params).double().cumsum(dim=-1)
+    targets = torch.tensor(uniforms, dtype=torch.float64, device=logits.device) * cdf[:, -1]
+    tokens = torch.searchsorted(cdf, targets.unsqueeze(1), right=True).squeeze(1)
+    return tokens.clamp_(max=logits.shape[-1] - 1).tolist()
 
 
 def process_logits(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
@@ -110,31 +131,48 @@ def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], histori
     return logits - column("presence_penalty") * (output_counts > 0)
 
 
-def sample_row(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
-    """Exponential-race sampling (argmax of p / E, E ~ Exp(1)) over the filtered distribution.
-    Runs on the CPU whatever the logits' device, so a seeded request samples the same token anywhere."""
-    probs = filtered_probs(logits.cpu(), params)
-    generator = torch.Generator().manual_seed(mix_seed(seed, position))
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
-
-
-def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Softmax of logits / temperature restricted to the top-k tokens, then to the top-p nucleus."""
-    scaled = logits / params.temperature
-    if params.top_k and params.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, params.top_k).values[-1]
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Per row of logits [R, V]: the softmax of logits / temperature restricted to the top-k tokens, then
+    to the top-p nucleus. Not renormalised (the draw scales by each row's total): a sum over a row may
+    be split across threads when it is the only row, and its rounding would then depend on the batch."""
+    vocab = logits.shape[-1]
+    device = logits.device
+    temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    scaled = logits.float() / temperatures.unsqueeze(1)
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(top_k):
+        ranked = scaled.topk(max(top_k), dim=-1).values  # [R, max k], most likely first
+        kth = ranked.gather(1, torch.tensor([max(k - 1, 0) for k in top_k], device=device).unsqueeze(1))
+        kth[torch.tensor([k == 0 for k in top_k], device=device)] = float("-inf")
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it does.
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop = mass_before >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        probs = probs / probs.sum()
+    nucleus_rows = [row for row, p in enumerate(params) if p.top_p < 1.0]
+    if nucleus_rows:
+        index = torch.tensor(nucleus_rows, device=device)
+        top_p = torch.tensor([params[row].top_p for row in nucleus_rows], dtype=probs.dtype, device=device)
+        probs = probs.index_copy(0, index, _nucleus(probs.index_select(0, index), top_p))
     return probs
+
+
+def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """probs [R, V] with every token outside each row's top-p nucleus zeroed: going from the most likely
+    token down, a token is dropped once the mass before it reaches top_p (vLLM's rule). A row whose
+    nucleus is not among the first candidates is done again over its whole vocabulary; either way a
+    row's result depends on that row alone."""
+    kept, complete = _nucleus_among(probs, top_p, min(probs.shape[-1], _NUCLEUS_CANDIDATES))
+    if not bool(complete.all()):
+        rows = (~complete).nonzero().squeeze(1)
+        kept[rows] = _nucleus_among(probs[rows], top_p[rows], probs.shape[-1])[0]
+    return kept
+
+
+def _nucleus_among(probs: torch.Tensor, top_p: torch.Tensor, candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The nucleus among each row's `candidates` most likely tokens, and whether that is all of it
+    (their mass reaches top_p: every token after them is dropped anyway)."""
+    ranked, order = probs.topk(candidates, dim=-1)  # most likely first
+    mass = ranked.cumsum(dim=-1)
+    kept = ranked.masked_fill(mass - ranked >= top_p.unsqueeze(1), 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, kept), mass[:, -1] >= top_p
 
 
 def prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor, num_top: int) -> list[dict[int, float]]:
