@@ -1,7 +1,8 @@
 """The CUDA path on a real GPU (skipped without one; scripts/gpu_check.sh runs -m gpu): the compiled Triton
 kernels against the float64 reference at the presets' head_dim, CUDA-graph replay equal to eager
-steps, greedy and seeded tokens on the tiny preset identical to the CPU path, the 8B preset built on
-the GPU. Kept small: the GPU check gives all its tests 150 s, Triton compiles included."""
+steps, greedy and seeded tokens on the tiny preset identical to the CPU path, seeded draws on the GPU
+independent of the batch, the 8B preset built on the GPU. Kept small: the GPU check gives all its
+tests 150 s, Triton compiles included."""
 from __future__ import annotations
 
 import random
@@ -84,8 +85,20 @@ def test_greedy_tokens_on_gpu_match_the_cpu_path(cuda_graphs):
     assert [out.token_ids for out in gpu] == [out.token_ids for out in cpu]
 
 
+def test_seeded_draws_on_the_gpu_are_batch_independent():
+    """Random rows are drawn on the logits' device, each from its own row and (seed, position) alone."""
+    from shared.engine.model.sampler import sample
+
+    logits = torch.randn(64, 128256, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 4
+    params = [SamplingParams(temperature=0.7 + 0.01 * i, top_p=0.9 if i % 2 else 1.0, top_k=50 if i % 3 == 0 else 0)
+              for i in range(64)]
+    batch = sample(logits, params, list(range(64)), [5] * 64)
+    alone = [sample(logits[i:i + 1], [params[i]], [i], [5])[0] for i in range(64)]
+    assert batch == alone
+
+
 def test_seeded_samples_match_the_cpu_path():
-    """The sampler draws a seeded request's noise on the CPU: the same tokens on any pod."""
+    """Seeded draws use only per-row arithmetic, so the GPU's tokens equal the CPU path's on tiny."""
     prompts = _prompts(4, seed=2)
     params = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, top_p=0.9, seed=100 + i)
               for i in range(len(prompts))]
