@@ -2,10 +2,12 @@
 prompt logprobs."""
 from __future__ import annotations
 
+import random
+
 import torch
 
 from shared.engine.model import sampler
-from shared.engine.model.sampler import filtered_probs, mix_seed, prompt_logprobs, sample
+from shared.engine.model.sampler import RowHistory, filtered_probs, mix_seed, prompt_logprobs, sample
 from shared.engine.model.spec_decode import NgramProposer
 from shared.engine.request import SamplingParams
 
@@ -142,3 +144,36 @@ def test_ngram_proposer_uses_latest_longest_match():
     assert proposer.propose(tokens, max_drafts=1) == [6]
     assert proposer.propose([5, 6, 7]) == []
     assert proposer.propose(tokens, max_drafts=0) == []
+
+
+def _dense_penalties(logits: torch.Tensor, params: list[SamplingParams], histories) -> torch.Tensor:
+    """vLLM's formulas over the whole vocabulary (the reference for the sampler's per-seen-token version)."""
+    out = logits.clone()
+    for row, (p, history) in enumerate(zip(params, histories)):
+        counts = torch.zeros(logits.shape[-1])
+        counts.scatter_add_(0, torch.tensor(history.token_ids[history.output_start:], dtype=torch.long),
+                            torch.ones(len(history.token_ids) - history.output_start))
+        seen = torch.zeros(logits.shape[-1], dtype=torch.bool)
+        seen[torch.tensor(history.token_ids, dtype=torch.long)] = True
+        rep = torch.tensor(p.repetition_penalty)
+        x = torch.where(seen, torch.where(out[row] > 0, out[row] / rep, out[row] * rep), out[row])
+        x = x - torch.tensor(p.frequency_penalty) * counts
+        out[row] = x - torch.tensor(p.presence_penalty) * (counts > 0)
+    return out
+
+
+def test_penalties_touch_only_seen_tokens_and_equal_the_dense_formulas_bit_for_bit():
+    rng = random.Random(0)
+    for _ in range(30):
+        rows, vocab = rng.randint(1, 5), rng.choice([50, 4000])
+        logits = _logits(rows, vocab, seed=rng.randrange(100))
+        logits[0, 0] = float("-inf")  # a grammar-masked token stays masked
+        params = [SamplingParams(repetition_penalty=rng.choice([1.0, 1.3, 0.8]),
+                                 frequency_penalty=rng.choice([0.0, 0.5, -0.3]),
+                                 presence_penalty=rng.choice([0.0, 1.2])) for _ in range(rows)]
+        histories = []
+        for _ in range(rows):
+            tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 200))]
+            histories.append(RowHistory(tokens, rng.randint(0, len(tokens)), 0, frozenset()))
+        got = sampler._apply_penalties(logits.clone(), params, histories)
+        assert torch.equal(got, _dense_penalties(logits, params, histories))

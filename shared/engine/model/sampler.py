@@ -113,22 +113,21 @@ def process_logits(logits: torch.Tensor, rows: list[int], params: list[SamplingP
 
 
 def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], histories: list[RowHistory]) -> torch.Tensor:
-    """Repetition over prompt and output tokens, then frequency and presence over output tokens (vLLM's)."""
-    num_rows, vocab = logits.shape
+    """Repetition over prompt and output tokens, then frequency and presence over output tokens (vLLM's).
+    Only the tokens a row has seen change, so each row touches those alone (O(context), not O(vocab))."""
     device = logits.device
-    output_counts = torch.zeros(num_rows, vocab, device=device)
-    seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=device)
-    for row, history in enumerate(histories):
+    for row, (p, history) in enumerate(zip(params, histories)):
         ids = torch.tensor(list(history.token_ids), dtype=torch.long, device=device)
-        seen[row, ids] = True
-        output = ids[history.output_start:]
-        output_counts[row].scatter_add_(0, output, torch.ones_like(output, dtype=output_counts.dtype))
-    column = lambda name: torch.tensor([getattr(p, name) for p in params], device=device).unsqueeze(1)  # noqa: E731
-    repetition = column("repetition_penalty")
-    repeated = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen, repeated, logits)
-    logits = logits - column("frequency_penalty") * output_counts
-    return logits - column("presence_penalty") * (output_counts > 0)
+        seen, index_in_seen = torch.unique(ids, return_inverse=True)
+        output = index_in_seen[history.output_start:]
+        counts = torch.zeros(len(seen), device=device).scatter_add_(0, output, torch.ones(len(output), device=device))
+        repetition, frequency, presence = (torch.tensor(value, device=device) for value in
+                                           (p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
+        values = logits[row, seen]
+        values = torch.where(values > 0, values / repetition, values * repetition)
+        values = values - frequency * counts
+        logits[row, seen] = values - presence * (counts > 0)
+    return logits
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
