@@ -94,6 +94,28 @@ if triton is not None:
         return product
 
     @triton.jit
+    def _attend_key_tile(q, acc, row_max, row_sum, k_ptr, v_ptr, table_row_ptr, tokens, token_ok, visible, d, d_ok,
+                         kv_head, scale_log2, stride_cb, stride_cs, stride_ch,
+                         BLOCK_SIZE: tl.constexpr, IN_F32: tl.constexpr):
+        """One tile of keys for the online softmax of both kernels: gather its K and V rows through the
+        block table, score the visible ones, rescale. Returns (acc, row_max, row_sum)."""
+        blocks = tl.load(table_row_ptr + tokens // BLOCK_SIZE, mask=token_ok, other=0)
+        rows = blocks.to(tl.int64) * stride_cb + (tokens % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        kv_mask = token_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        scores = _dot(q, tl.trans(k), IN_F32) * scale_log2
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        # A row may see nothing in this tile (before its window, or a padding row): keep it at 0.
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        probs = tl.exp2(scores - safe_max[:, None])
+        rescale = tl.exp2(row_max - safe_max)
+        row_sum = row_sum * rescale + tl.sum(probs, 1)
+        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * rescale[:, None] + _dot(probs.to(v.dtype), v, IN_F32)
+        return acc, new_max, row_sum
+
+    @triton.jit
     def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
         scale_log2, num_splits,
@@ -129,19 +151,9 @@ if triton is not None:
         for start in range(lo, hi, BLOCK_N):
             tokens = start + tl.arange(0, BLOCK_N)
             token_ok = tokens < hi
-            blocks = tl.load(table_ptr + seq * stride_tb + tokens // BLOCK_SIZE, mask=token_ok, other=0)
-            rows = blocks.to(tl.int64) * stride_cb + (tokens % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-            kv_mask = token_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            scores = _dot(q, tl.trans(k), IN_F32) * scale_log2
-            scores = tl.where(token_ok[None, :], scores, float("-inf"))
-            new_max = tl.maximum(row_max, tl.max(scores, 1))
-            probs = tl.exp2(scores - new_max[:, None])
-            rescale = tl.exp2(row_max - new_max)
-            row_sum = row_sum * rescale + tl.sum(probs, 1)
-            v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * rescale[:, None] + _dot(probs.to(v.dtype), v, IN_F32)
-            row_max = new_max
+            acc, row_max, row_sum = _attend_key_tile(
+                q, acc, row_max, row_sum, k_ptr, v_ptr, table_ptr + seq * stride_tb, tokens, token_ok,
+                token_ok[None, :], d, d_ok, kv_head, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, IN_F32)
 
         store_mask = head_ok[:, None] & d_ok[None, :]
         if WRITES_OUTPUT:
@@ -217,24 +229,12 @@ if triton is not None:
         for start in range(lo, hi, BLOCK_N):
             tokens = start + tl.arange(0, BLOCK_N)
             token_ok = tokens < hi
-            blocks = tl.load(table_ptr + span * stride_tb + tokens // BLOCK_SIZE, mask=token_ok, other=0)
-            rows = blocks.to(tl.int64) * stride_cb + (tokens % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-            kv_mask = token_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            scores = _dot(q, tl.trans(k), IN_F32) * scale_log2
             visible = (tokens[None, :] <= positions[:, None]) & token_ok[None, :]
             if WINDOW > 0:
                 visible = visible & (tokens[None, :] > positions[:, None] - WINDOW)
-            scores = tl.where(visible, scores, float("-inf"))
-            new_max = tl.maximum(row_max, tl.max(scores, 1))
-            # A row may see nothing in this tile (before its window, or a padding row): keep it at 0.
-            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-            probs = tl.exp2(scores - safe_max[:, None])
-            rescale = tl.exp2(row_max - safe_max)
-            row_sum = row_sum * rescale + tl.sum(probs, 1)
-            v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * rescale[:, None] + _dot(probs.to(v.dtype), v, IN_F32)
-            row_max = new_max
+            acc, row_max, row_sum = _attend_key_tile(
+                q, acc, row_max, row_sum, k_ptr, v_ptr, table_ptr + span * stride_tb, tokens, token_ok, visible,
+                d, d_ok, kv_head, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, IN_F32)
 
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
         tl.store(out_ptr + tokens_q[:, None] * stride_ot + head * stride_oh + d[None, :],
