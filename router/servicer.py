@@ -122,8 +122,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             outcome = OK
         except RouteError as exc:
             outcome = outcome_of_code(exc.code)
-            if not context.done():  # a deadline that ended the call caused this error: nobody to tell
-                await context.abort(exc.code, exc.message)
+            await context.abort(exc.code, exc.message)
         except asyncio.CancelledError:
             outcome = CANCELLED
             raise

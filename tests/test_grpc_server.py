@@ -25,9 +25,9 @@ class BrokenGenerate(generate_pb2_grpc.GenerateServiceServicer):
         raise RuntimeError("boom")
 
 
-def make_server(**kwargs) -> GrpcServer:
+def make_server(servicer=None, **kwargs) -> GrpcServer:
     server = GrpcServer(ServerOptions(host="127.0.0.1", port=0, grace_seconds=1.0, **kwargs))
-    server.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, BrokenGenerate(), SERVICE)
+    server.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer or BrokenGenerate(), SERVICE)
     return server
 
 
@@ -57,8 +57,7 @@ class LateGenerate(generate_pb2_grpc.GenerateServiceServicer):
 def test_an_error_after_the_call_ended_is_not_reported_as_unexpected(caplog):
     async def scenario():
         servicer = LateGenerate()
-        server = GrpcServer(ServerOptions(host="127.0.0.1", port=0, grace_seconds=1.0))
-        server.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer, SERVICE)
+        server = make_server(servicer)
         await server.start()
         try:
             async with grpc.aio.insecure_channel(server.address) as channel:

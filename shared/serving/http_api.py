@@ -94,10 +94,6 @@ class InProcessContext:
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
         raise CallEnded(code, details)
 
-    def done(self) -> bool:
-        """Never while a servicer runs: a call here ends only when its generator is closed."""
-        return False
-
     def add_done_callback(self, callback) -> None:
         """Not needed in process: a call here ends when its generator is closed, and the servicers'
         own cleanup runs then (the callbacks cover a transport ending a call the generator missed)."""
