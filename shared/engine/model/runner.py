@@ -23,7 +23,7 @@ from shared.engine.model.loader import LoadedModel
 from shared.engine.model.paged_decode import paged_decode_available
 from shared.engine.model.sampler import RowHistory, output_logprobs, prompt_logprobs, sample
 from shared.engine.model.spec_decode import NgramProposer
-from shared.engine.request import SamplingParams
+from shared.engine.request import SamplingParams, TokenLogprobs
 from shared.engine.sched.output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -417,49 +417,56 @@ class ModelRunner:
     def _sample(self, scheduled: list[_ScheduledRequest], logits: torch.Tensor,
                 sample_slices: dict[str, tuple[int, int]]) -> tuple[dict[str, list[int]], dict[str, list]]:
         masks = self._grammar_masks(scheduled, sample_slices)
+        sampling = [r for r in scheduled if r.req_id in sample_slices]
         rows, params, seeds, positions, histories = [], [], [], [], []
-        for r in scheduled:
-            if r.req_id not in sample_slices:
-                continue
+        for r in sampling:
             first, k = sample_slices[r.req_id]
-            # Row j predicts the token at position (first sampled position) + j.
+            state = r.state
+            # Row first + j predicts the token at position (first sampled position) + j.
             next_pos = r.start + len(r.input_ids) - k + 1
-            for j in range(k):
-                rows.append(first + j)
-                params.append(r.state.sampling_params)
-                seeds.append(r.state.seed)
-                positions.append(next_pos + j)
-                histories.append(self._history(r, masks.get(r.req_id)))
+            history = self._history(r, masks.get(r.req_id))
+            rows.extend(range(first, first + k))
+            positions.extend(range(next_pos, next_pos + k))
+            params += [state.sampling_params] * k
+            seeds += [state.seed] * k
+            histories += [history] * k
         row_logits = self._rows(logits, rows)
         tokens = sample(row_logits, params, seeds, positions, histories)
-        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        row_lps = {}
-        if lp_rows:
-            picked = row_logits.index_select(0, self._ids(lp_rows))
-            entries = output_logprobs(picked, [tokens[i] for i in lp_rows], [params[i].logprobs for i in lp_rows])
-            row_lps = dict(zip(lp_rows, entries))
+        row_lps = self._output_logprobs(row_logits, tokens, params)
         out: dict[str, list[int]] = {}
         out_lps: dict[str, list] = {}
-        i = 0
-        for r in scheduled:
-            if r.req_id not in sample_slices:
-                continue
-            k = sample_slices[r.req_id][1]
-            candidates = tokens[i:i + k]
-            first_row = i
-            i += k
-            # Verification: a draft stands while the model (greedy or seeded) picks that very token, so
-            # speculation never changes the output; the first disagreement is the bonus token.
-            accepted = []
-            for j, token in enumerate(candidates):
-                accepted.append(token)
-                if j == len(r.drafts) or token != r.drafts[j]:
-                    break
+        first_row = 0
+        for r in sampling:
+            accepted = self._accepted(r.drafts, tokens[first_row:first_row + len(r.drafts) + 1])
             r.state.token_ids.extend(accepted)
             out[r.req_id] = accepted
             if first_row in row_lps:
                 out_lps[r.req_id] = [row_lps[first_row + j] for j in range(len(accepted))]
+            first_row += len(r.drafts) + 1
         return out, out_lps
+
+    def _output_logprobs(self, row_logits: torch.Tensor, tokens: list[int],
+                         params: list[SamplingParams]) -> dict[int, TokenLogprobs]:
+        """row -> the logprobs entry of its sampled token, for the rows whose request asks for them."""
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not lp_rows:
+            return {}
+        picked = row_logits.index_select(0, self._ids(lp_rows))
+        entries = output_logprobs(picked, [tokens[i] for i in lp_rows], [params[i].logprobs for i in lp_rows])
+        return dict(zip(lp_rows, entries))
+
+    @staticmethod
+    def _accepted(drafts: list[int], candidates: list[int]) -> list[int]:
+        """Verification: a draft stands while the model (greedy or seeded) picks that very token, so
+        speculation never changes the output; the first disagreement is the bonus token."""
+        if not drafts:
+            return candidates
+        accepted = []
+        for j, token in enumerate(candidates):
+            accepted.append(token)
+            if j == len(drafts) or token != drafts[j]:
+                break
+        return accepted
 
     def _propose(self, r: _ScheduledRequest) -> list[int]:
         state = r.state
