@@ -64,6 +64,14 @@ class ServiceProcess:
             return ""
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
+    def failure_summary(self) -> str:
+        """One line for a user: the log's last line (a crash ends with its exception) and where the log is;
+        then the log's tail."""
+        tail = self.log_tail()
+        lines = [line.strip() for line in tail.splitlines() if line.strip()]
+        where = f"(log: {self.log_path})" if self.log_path is not None else ""
+        return f"{lines[-1] if lines else 'no output'} {where}\n{tail}"
+
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM (graceful drain), then SIGKILL if it does not exit in time."""
         if not self.is_running():
@@ -120,7 +128,7 @@ def wait_serving(
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if not service.is_running():
-                raise RuntimeError(f"{service.name} exited with {service.process.returncode}:\n{service.log_tail()}")
+                raise RuntimeError(f"{service.name} exited with {service.process.returncode}: {service.failure_summary()}")
             try:
                 answer = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
                 if answer.status == health_pb2.HealthCheckResponse.SERVING:
@@ -128,7 +136,8 @@ def wait_serving(
             except grpc.RpcError:
                 pass  # not listening yet
             time.sleep(0.1)
-    raise RuntimeError(f"{service.name} at {service.address} not SERVING after {timeout_s} s:\n{service.log_tail()}")
+    raise RuntimeError(f"{service.name} at {service.address} not SERVING after {timeout_s} s: "
+                       f"{service.failure_summary()}")
 
 
 @dataclass(frozen=True)
