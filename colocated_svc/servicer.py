@@ -10,7 +10,7 @@ import grpc
 from proto.pdserve.v1 import generate_pb2_grpc
 from shared.serving import convert, fan_out
 from shared.serving.metrics import ServiceMetrics
-from shared.serving.outcomes import PodUnavailable, invalid_on_value_error
+from shared.serving.outcomes import InvalidRequest, PodUnavailable, invalid_on_value_error
 from shared.serving.pod_server import PodServicer
 from shared.engine.request import FinishReason, Request, SamplingParams
 from shared.serving.output_text import OutputText
@@ -69,6 +69,8 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
                 token_ids = [t for output_ in outputs for t in output_.new_token_ids]
                 logprobs = [e for output_ in outputs for e in (output_.new_logprobs or ())]
                 finish = outputs[-1].finish_reason if outputs[-1].finished else None
+                if outputs[-1].error is not None:
+                    raise InvalidRequest(outputs[-1].error)
                 if not token_ids and finish is None:
                     continue
                 delta = output.push(token_ids, is_last=finish is not None)

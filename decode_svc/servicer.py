@@ -112,8 +112,10 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
                         pull_stats = self._report_pull(work, early_stats)
                         chunk = dataclasses.replace(chunk, kv_pull=pull_stats)
                     call.count_tokens(len(token_ids))
+                    if outputs[-1].error is not None:
+                        raise InvalidRequest(outputs[-1].error)
                     if finish_reason is FinishReason.ERROR:
-                        # Only the kv-load-failure policy "fail" ends a decode this way: say so.
+                        # Otherwise only the kv-load-failure policy "fail" ends a decode this way: say so.
                         raise KvUnusable(self._failure_message(work.request_id, pull_stats))
                     if finish_reason is not None:
                         call.finish(finish_reason)

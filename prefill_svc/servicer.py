@@ -17,7 +17,7 @@ from shared.serving import convert, wire
 from shared.engine.kv_transfer.handle import KvHandle
 from shared.engine.kv_transfer.handoff import HoldForPeer
 from shared.serving.metrics import ServiceMetrics
-from shared.serving.outcomes import PodUnavailable, invalid_on_value_error
+from shared.serving.outcomes import InvalidRequest, PodUnavailable, invalid_on_value_error
 from shared.serving.pod_server import PodServicer
 from shared.engine.request import FinishReason, Request
 from shared.serving.telemetry import SpanAttr
@@ -97,6 +97,8 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
         context.add_done_callback(on_done)
 
     def _result(self, work: wire.PrefillInput, final, tokens: list[int], parent) -> wire.PrefillResult:
+        if final.error is not None:
+            raise InvalidRequest(final.error)
         if final.finish_reason is FinishReason.ERROR or not tokens:
             raise RuntimeError(f"prefill of {work.request_id} ended with {final.finish_reason} and no token")
         token_id = tokens[0]

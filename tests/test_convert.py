@@ -16,8 +16,15 @@ def make_handle(num_tokens=10, block_ids=(7, 3, 9)):
 
 def test_sampling_params_round_trip():
     params = SamplingParams(max_tokens=33, ignore_eos=True, stop_token_ids=[5, 6], temperature=0.7,
-                            top_k=40, top_p=0.9, seed=2**62, prompt_logprobs=3)
+                            top_k=40, top_p=0.9, seed=2**62)
     assert convert.sampling_params_from_proto(convert.sampling_params_to_proto(params)) == params
+
+
+def test_prompt_logprobs_are_refused_by_name():
+    # No response message carries them, so a caller asking for them is told instead of ignored.
+    message = convert.sampling_params_to_proto(SamplingParams(prompt_logprobs=3))
+    with pytest.raises(ValueError, match="prompt_logprobs is not supported"):
+        convert.sampling_params_from_proto(message)
 
 
 def test_sampling_params_defaults_when_unset():
@@ -64,7 +71,7 @@ def test_unset_sampling_fields_round_trip_with_their_fallback():
         ({"temperature": float("nan")}, "NaN"),
         ({"temperature": 1e9}, "temperature"),
         ({"seed": 2**63}, "seed"),
-        ({"prompt_logprobs": 1000}, "prompt_logprobs"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -3.0}, "frequency_penalty"),
         ({"frequency_penalty": float("nan")}, "frequency_penalty must be numbers, got NaN"),

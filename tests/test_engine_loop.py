@@ -10,7 +10,8 @@ from shared.engine.kv_transfer.connector import KVConnectorBase, KVRole
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.serving.engine_thread import EngineLoop, EngineStopped
-from shared.engine.request import Request, SamplingParams
+from shared.serving.outcomes import DuplicateRequestId, InvalidRequest
+from shared.engine.request import Request, SamplingParams, StructuredOutputSpec
 
 
 def _engine() -> LLMEngine:
@@ -107,3 +108,67 @@ def test_an_idle_loop_keeps_its_kv_transfers_progressing():
 
     asyncio.run(run())
     assert connector.num_idle_progress >= 3
+
+
+def _refusal(engine: LLMEngine, request: Request) -> BaseException:
+    """What submitting `request` raises on its stream; then the loop must still serve a plain request."""
+
+    async def run() -> BaseException:
+        loop = EngineLoop(engine)
+        loop.start()
+        stream = loop.submit(request)
+        with pytest.raises(Exception) as refused:
+            async for _ in stream:
+                pass
+        assert stream.refused
+        tokens = [t async for output in loop.submit(_request("after", 3)) for t in output.new_token_ids]
+        assert len(tokens) == 3 and loop.error is None
+        await loop.stop()
+        return refused.value
+
+    return asyncio.run(asyncio.wait_for(run(), 30))
+
+
+def test_input_nested_past_the_recursion_limit_is_refused_and_the_loop_serves_on():
+    schema = '{"type":"array","items":' * 5000 + "{}" + "}" * 5000
+    request = Request("deep", [5, 6, 7], SamplingParams(max_tokens=3, structured_output=StructuredOutputSpec(
+        json_schema=schema)), eos_token_id=2)
+    error = _refusal(_engine(), request)
+    assert isinstance(error, InvalidRequest) and "nests too deeply" in str(error)
+
+
+def test_an_unexpected_error_while_adding_fails_that_request_only():
+    engine = _engine()
+    real_add = engine.add_request
+
+    def add_or_fail(request):
+        if request.request_id == "bad":
+            raise RuntimeError("simulated bug")
+        real_add(request)
+
+    engine.add_request = add_or_fail
+    error = _refusal(engine, _request("bad", 3))
+    assert isinstance(error, RuntimeError) and "simulated bug" in str(error)
+
+
+def test_an_id_the_engine_still_holds_is_refused_as_a_duplicate_and_not_aborted():
+    engine = _engine()
+
+    async def run() -> None:
+        loop = EngineLoop(engine)
+        loop.start()
+        first = loop.submit(_request("same", 400))
+        await first.__anext__()  # running now
+        # A caller whose own stream ended can reach the engine with an id it still runs.
+        loop._streams.pop("same")
+        second = loop.submit(_request("same", 3))
+        with pytest.raises(DuplicateRequestId):
+            async for _ in second:
+                pass
+        assert second.refused
+        await asyncio.sleep(0.2)
+        assert engine.has_unfinished_requests()  # the first request was not aborted by the refusal
+        loop.abort("same")
+        await loop.stop()
+
+    asyncio.run(asyncio.wait_for(run(), 30))

@@ -169,6 +169,24 @@ def test_bad_constraints_are_rejected_with_the_reason():
     assert grammar.error
 
 
+def test_a_constraint_whose_lexer_gives_up_fails_every_request_that_uses_it():
+    # Compiles, but llguidance's lexer gives up at the first token; the copies share that lexer, so
+    # a later request must fail too (not be let through with EOS as its whole output).
+    compiler = GrammarCompiler(bpe_tokenizer(), 4096, [EOS_TOKEN_ID])
+    spec = StructuredOutputSpec(regex="a{1000000}")
+    for _ in range(2):
+        grammar = compiler.compile(spec)
+        allowed = grammar.allowed_tokens(4096).nonzero().flatten().tolist()
+        assert not grammar.accept_tokens("r", allowed[:1])
+        assert "lexer" in grammar.error
+
+
+def test_deeply_nested_json_schema_is_refused_by_name():
+    compiler = GrammarCompiler(bpe_tokenizer(), 4096, [EOS_TOKEN_ID])
+    with pytest.raises(ValueError, match="nests too deeply"):
+        compiler.compile(StructuredOutputSpec(json_schema="[" * 5000 + "]" * 5000))
+
+
 def test_a_repeated_constraint_starts_fresh_for_each_request():
     """Requests with the same schema share its compiled grammar, never each other's progress."""
     compiler = GrammarCompiler(bpe_tokenizer(), 4096, [EOS_TOKEN_ID])

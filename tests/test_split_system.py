@@ -29,7 +29,7 @@ from proto.pdserve.v1 import (
 from shared.serving import convert
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.request import FinishReason, SamplingParams
+from shared.engine.request import FinishReason, SamplingParams, StructuredOutputSpec
 from split_cluster import (
     BLOCK_SIZE, BYTES_PER_BLOCK, LEASE_S, MODEL_ARGS, NUM_BLOCKS, assert_all_blocks_free, load_report,
 )
@@ -158,6 +158,35 @@ def test_expired_lease_frees_prefill_blocks_and_decode_recomputes(cluster, refer
     assert messages[0].kv_pull.outcome == decode_pb2.KV_PULL_OUTCOME_RECOMPUTED_LEASE_EXPIRED
     tokens = [answer.first_token_id] + [t for m in messages for t in m.token_ids]
     assert tokens == reference.generate([prompt], SamplingParams(**sampling))[0].token_ids
+    assert_all_blocks_free(cluster)
+
+
+def test_a_prefill_reusing_a_held_request_id_is_refused_and_leaves_the_hold(cluster, reference):
+    # The first request's stream has ended (token 1 went out) but its blocks are held for a decode pod:
+    # the engine still knows the id. The second Prefill is refused, and must not end that hold.
+    prompt = _prompts(1, seed=21)[0]
+    sampling = dict(max_tokens=5, ignore_eos=True)
+    answer = _prefill(cluster, "held-twice", prompt, **sampling)
+    with pytest.raises(grpc.RpcError) as second:
+        _prefill(cluster, "held-twice", prompt, **sampling)
+    assert second.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    messages = _decode(cluster, "held-twice", prompt, answer, **sampling)
+    assert messages[0].kv_pull.outcome == decode_pb2.KV_PULL_OUTCOME_PULLED
+    tokens = [answer.first_token_id] + [t for m in messages for t in m.token_ids]
+    assert tokens == reference.generate([prompt], SamplingParams(**sampling))[0].token_ids
+    assert_all_blocks_free(cluster)
+
+
+def test_a_constraint_that_fails_while_decoding_is_invalid_argument_on_both_pods(cluster):
+    # The regex compiles, but llguidance's lexer gives up once the first token is consumed.
+    prompt = _prompts(1, seed=22)[0]
+    with pytest.raises(grpc.RpcError) as prefill:
+        _prefill(cluster, "lexer-1", prompt, max_tokens=5, structured_output=StructuredOutputSpec(regex="a{1000000}"))
+    assert prefill.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured output constraint failed" in prefill.value.details()
+    with pytest.raises(grpc.RpcError) as generate:
+        _generate(cluster.router.address, prompt, max_tokens=5, regex="a{1000000}")
+    assert generate.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert_all_blocks_free(cluster)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 from llguidance import LLMatcher, LLTokenizer
@@ -33,18 +34,27 @@ def allowed_from_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor
 class Grammar:
     """One request's matcher. Not thread-safe: the engine thread alone uses it."""
 
-    def __init__(self, matcher: LLMatcher, eos_token_ids: frozenset[int]):
+    def __init__(self, matcher: LLMatcher, eos_token_ids: frozenset[int], on_error: Callable[[], None]):
+        """on_error: called when the matcher fails. Copies of one start state share its lexer, and a
+        lexer that gave up fails every copy, so the compiler drops that start state."""
         self._matcher = matcher
         self._eos_token_ids = eos_token_ids
+        self._on_error = on_error
 
     def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
         """Advance over tokens; False (and the matcher stays in error) when the grammar rejects them."""
         for token in tokens:
+            # A matcher that failed while computing its mask allows only EOS: that is no complete output.
+            if self._matcher.is_error():
+                break
             if token in self._eos_token_ids and self._matcher.is_stopped():
                 continue  # a complete output allows only EOS, which the matcher no longer consumes
             if not self._matcher.consume_token(token):
-                return False
-        return True
+                break
+        else:
+            return True
+        self._on_error()
+        return False
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the tokens the grammar accepts next (only EOS once it is complete) into bitmask[row]."""
@@ -58,7 +68,8 @@ class Grammar:
 
     @property
     def error(self) -> str | None:
-        return self._matcher.get_error() if self._matcher.is_error() else None
+        """Why the matcher failed (llguidance's first line, without its state dump)."""
+        return _first_line(self._matcher.get_error()) if self._matcher.is_error() else None
 
 
 class GrammarCompiler:
@@ -85,7 +96,7 @@ class GrammarCompiler:
                 self._start_states.popitem(last=False)
         else:
             self._start_states.move_to_end(spec)
-        return Grammar(start.deep_copy(), self._eos_token_ids)
+        return Grammar(start.deep_copy(), self._eos_token_ids, lambda: self._start_states.pop(spec, None))
 
     def _compile_start_state(self, spec: StructuredOutputSpec) -> LLMatcher:
         try:
@@ -94,7 +105,7 @@ class GrammarCompiler:
             raise ValueError(f"structured output: {exc}") from None
         matcher = LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"structured output: {matcher.get_error()}")
+            raise ValueError(f"structured output: {_first_line(matcher.get_error())}")
         return matcher
 
     @staticmethod
@@ -104,9 +115,15 @@ class GrammarCompiler:
                 schema = json.loads(spec.json_schema)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"json_schema is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise ValueError("json_schema nests too deeply to parse") from None
             return LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         if spec.json_object:
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
         if spec.regex is not None:
             return LLMatcher.grammar_from_regex(spec.regex)
         return LLMatcher.grammar_from_lark(spec.grammar)
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else "unknown error"

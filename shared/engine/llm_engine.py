@@ -155,6 +155,10 @@ class LLMEngine:
             raise ValueError(
                 f"request {request.request_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
             )
+        bad = [t for t, _ in request.sampling_params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"request {request.request_id!r}: logit_bias names token ids {bad[:5]} outside the "
+                             f"vocabulary [0, {vocab})")
         room = self.scheduler_config.max_model_len - len(request.prompt_token_ids)
         request.sampling_params = self.generation.fill(request.sampling_params, room)
         request.max_tokens = request.sampling_params.max_tokens

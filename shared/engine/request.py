@@ -207,6 +207,10 @@ class PlaceholderRange:
             raise ValueError(f"placeholder needs offset >= 0 and length >= 1, got {self.offset}, {self.length}")
 
 
+class DuplicateRequestError(ValueError):
+    """A request with this id is already in the engine (waiting, running, or holding KV for a peer)."""
+
+
 class Request:
     """The scheduler's per-request state: tokens, progress, lifecycle and in-flight bookkeeping.
 
@@ -261,6 +265,7 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_preemptions = 0
         self.resumable = True  # False once the request failed and must not be continued
+        self.error: str | None = None  # set when its own input (a grammar) made it fail
         # Async bookkeeping: tokens expected from steps in flight, tokens scheduled in steps
         # in flight, sampling steps in flight, and the in-flight share that predates a preemption.
         self.num_output_placeholders = 0

@@ -12,6 +12,10 @@ class StructuredOutputGrammar(Protocol):
     def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
         """Advance over tokens; False when the grammar cannot accept them."""
 
+    @property
+    def error(self) -> str | None:
+        """Why the grammar failed, once it has."""
+
 
 class StructuredOutputRequest:
     """A request's grammar (None while it is still compiling)."""

@@ -21,6 +21,10 @@ from shared.serving.wire import (
 
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
+# Ids are names, not payloads (a UUID is 36 characters). A client's id on Generate has at most
+# MAX_REQUEST_ID_LENGTH; a pod takes twice that, room for the suffixes the router adds to it.
+MAX_REQUEST_ID_LENGTH = 256
+MAX_POD_REQUEST_ID_LENGTH = 2 * MAX_REQUEST_ID_LENGTH
 
 
 # ---- scalars and enums ------------------------------------------------------------------------
@@ -134,6 +138,9 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams | None) -> Sam
     fallback_max_tokens until then)."""
     if message is None:
         message = common_pb2.SamplingParams()
+    if message.HasField("prompt_logprobs"):
+        # The engine computes them (LLMEngine.generate), but no response message carries them yet.
+        raise ValueError("sampling: prompt_logprobs is not supported by this API (no response carries them)")
     kwargs: dict = {
         "ignore_eos": message.ignore_eos,
         "stop_token_ids": tuple(message.stop_token_ids),
@@ -144,7 +151,7 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams | None) -> Sam
         "min_tokens": message.min_tokens,
         "logit_bias": dict(message.logit_bias),
     }
-    for name in ("seed", "prompt_logprobs", "logprobs", "n", *sorted(MODEL_DEFAULT_FIELDS)):
+    for name in ("seed", "logprobs", "n", *sorted(MODEL_DEFAULT_FIELDS)):
         if message.HasField(name):
             kwargs[name] = getattr(message, name)
     kwargs["unset"] = MODEL_DEFAULT_FIELDS - kwargs.keys()
@@ -374,6 +381,13 @@ def kv_pull_stats_from_proto(message: decode_pb2.KvPullStats) -> KvPullStats:
 def _request_id(value: str) -> str:
     if not value:
         raise ValueError("request_id is empty")
+    return check_request_id(value, MAX_POD_REQUEST_ID_LENGTH)
+
+
+def check_request_id(value: str, limit: int = MAX_REQUEST_ID_LENGTH) -> str:
+    """A caller-chosen request id travels on every chunk, span and log line: bounded in length."""
+    if len(value) > limit:
+        raise ValueError(f"request_id has {len(value)} characters; at most {limit} are allowed")
     return value
 
 
@@ -535,6 +549,7 @@ def generate_input_from_proto(
 ) -> tuple[list[int], SamplingParams]:
     """The prompt's token ids (text encoded with `encode`) and the sampling params; ValueError saying
     what is wrong. no_tokenizer_hint: how to serve text prompts, for when `encode` is None."""
+    check_request_id(message.request_id)
     prompt = generate_prompt_from_proto(message)
     sampling = sampling_params_from_proto(message.sampling if message.HasField("sampling") else None)
     if isinstance(prompt, str):

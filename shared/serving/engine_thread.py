@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from shared.engine.request import RequestStatus
+from shared.engine.request import DuplicateRequestError, RequestStatus
 from shared.serving.outcomes import DuplicateRequestId, InvalidRequest, PodUnavailable
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,9 @@ class RequestStream:
     def __init__(self, request_id: str, timeline: RequestTimeline | None = None):
         self.request_id = request_id
         self.timeline = timeline if timeline is not None else RequestTimeline(time.time_ns())
+        # The engine refused the request: it never entered, so nothing may be aborted under its id
+        # (that would hit another request with the same id).
+        self.refused = False
         self._queue: asyncio.Queue = asyncio.Queue()
 
     def _put(self, item: Any) -> None:
@@ -202,8 +205,8 @@ class EngineLoop:
     def _add(self, request, timeline: RequestTimeline) -> None:
         try:
             self.engine.add_request(request)
-        except ValueError as exc:  # the engine refused it: tell that request, keep serving the rest
-            self._loop.call_soon_threadsafe(self._reject, request.request_id, InvalidRequest(str(exc)))
+        except Exception as exc:  # refused: tell that request, keep serving the rest
+            self._loop.call_soon_threadsafe(self._refuse, request.request_id, _refusal(request.request_id, exc))
             return
         if not self.is_timing_requests:
             return
@@ -215,9 +218,10 @@ class EngineLoop:
         self._timelines.pop(request_id, None)
         self.engine.abort_request(request_id)
 
-    def _reject(self, request_id: str, error: InvalidRequest) -> None:
+    def _refuse(self, request_id: str, error: Exception) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
+            stream.refused = True
             stream._put(error)
 
     def _run_commands(self) -> None:
@@ -268,6 +272,18 @@ class EngineLoop:
             if not self._has_work():
                 return
             self.engine.step()
+
+
+def _refusal(request_id: str, exc: Exception) -> Exception:
+    """What the caller of a request the engine would not add is told."""
+    if isinstance(exc, DuplicateRequestError):
+        return DuplicateRequestId(str(exc))
+    if isinstance(exc, ValueError):
+        return InvalidRequest(str(exc))
+    if isinstance(exc, RecursionError):  # input nested past the interpreter's limit
+        return InvalidRequest(f"request {request_id!r} nests too deeply to process")
+    logger.error("adding request %r failed", request_id, exc_info=exc)
+    return exc  # the call ends with INTERNAL; the pod keeps serving
 
 
 def _set_result(future: asyncio.Future, result: Any) -> None:

@@ -104,7 +104,7 @@ class PodCall:
 
     def _end(self, outcome: str) -> None:
         if self.stream is not None:
-            if not self._is_finished:
+            if not self._is_finished and not self.stream.refused:
                 # Cancelled, deadline or error: the engine frees the request's blocks (after any READ in flight).
                 self.pod.loop.abort(self.stream.request_id)
             if self._tier is not None:

@@ -104,6 +104,7 @@ class EngineCoreOutput:
     kv_handle: Any = None
     new_prompt_logprobs: Any = None
     new_logprobs: Any = None  # list[TokenLogprobs], one per new token, when the request asked for logprobs
+    error: str | None = None  # why a request finished with FinishReason.ERROR because of its own input
 
     @property
     def finished(self) -> bool:

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from shared.engine.kv_cache.manager import KVCacheManager, KVCacheUsage
 from shared.engine.kv_transfer.connector import KVConnectorBase, KVLoadFailurePolicy
 from shared.engine.kv_transfer.handoff import HoldForPeer
-from shared.engine.request import FinishReason, Request, RequestStatus
+from shared.engine.request import DuplicateRequestError, FinishReason, Request, RequestStatus
 from shared.engine.sched.encoder_budget import EncoderBudget
 from shared.engine.sched.output import (
     CachedRequestData,
@@ -132,7 +132,7 @@ class Scheduler:
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests or self.remote_kv.is_held(request.request_id):
-            raise ValueError(f"request {request.request_id!r} is already scheduled")
+            raise DuplicateRequestError(f"request {request.request_id!r} is already scheduled")
         if request.num_prompt_tokens >= self.max_model_len:
             raise ValueError(
                 f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens leaves no "
@@ -505,7 +505,8 @@ class Scheduler:
                 kv_handle = self._free_request(request)
                 outputs.append(
                     EngineCoreOutput(
-                        req_id, new_tokens, request.get_finished_reason(), request.stop_reason, kv_handle, plp, lps
+                        req_id, new_tokens, request.get_finished_reason(), request.stop_reason, kv_handle, plp, lps,
+                        request.error,
                     )
                 )
             elif new_tokens or plp is not None:
@@ -532,9 +533,11 @@ class Scheduler:
         """A grammar that rejects the sampled tokens ends the request with an error."""
         if not self.structured_output_manager.should_advance(request):
             return
-        if not request.structured_output_request.grammar.accept_tokens(request.request_id, new_tokens):
+        grammar = request.structured_output_request.grammar
+        if not grammar.accept_tokens(request.request_id, new_tokens):
             request.status = RequestStatus.FINISHED_ERROR
             request.resumable = False
+            request.error = f"the structured output constraint failed: {grammar.error}"
 
     def _apply_stale_output(
         self,
