@@ -2,6 +2,7 @@
 statuses) with prefill and decode run by a single engine, no KV handoff."""
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 
@@ -15,7 +16,7 @@ from shared.serving.pod_server import PodServicer
 from shared.engine.request import FinishReason, Request, SamplingParams
 from shared.serving.output_text import OutputText
 from shared.serving.telemetry import SpanAttr
-from shared.serving.text import TextStream
+from shared.serving.text import TextStream, encode_text, generate_input
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
             # Two clients may choose the same id; the engine keys requests by id, so make it unique.
             engine_request_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
             call.span.set_attribute(SpanAttr.REQUEST_ID, request_id)
-            prompt_ids, _ = self.validate(request)
+            prompt_ids, _ = await self.validate(request)
             with invalid_on_value_error():
                 output = OutputText(TextStream(self.tokenizer) if self.tokenizer is not None else None, sampling)
             call.span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(prompt_ids))
@@ -73,7 +74,7 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
                     raise InvalidRequest(outputs[-1].error)
                 if not token_ids and finish is None:
                     continue
-                delta = output.push(token_ids, is_last=finish is not None)
+                delta = output.push(token_ids, finish)
                 call.count_tokens(len(delta.token_ids))
                 if delta.stop_string is not None:
                     finish = FinishReason.STOP
@@ -96,11 +97,12 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
             if finish is None:  # the stream ended unfinished: the pod aborted everything (shutdown)
                 raise PodUnavailable("the pod stopped before the request finished")
 
-    def validate(self, request) -> tuple[list[int], SamplingParams]:
+    async def validate(self, request) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the sampling params, or InvalidRequest saying what is wrong."""
-        encode = (lambda text: self.tokenizer.encode(text).ids) if self.tokenizer is not None else None
+        tokenizer = self.tokenizer
+        encode = functools.partial(encode_text, tokenizer) if tokenizer is not None else None
         with invalid_on_value_error():
-            prompt, sampling = convert.generate_input_from_proto(
+            prompt, sampling = await generate_input(
                 request, encode, no_tokenizer_hint="serve a model directory with tokenizer.json (or pass --tokenizer)"
             )
             prompt = convert.token_ids_from_proto(prompt, name="prompt token_ids", vocab_size=self.pod.vocab_size)

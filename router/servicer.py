@@ -19,7 +19,7 @@ from router.kv_index import KvIndex, PromptHashes
 from router.metrics import RouterMetrics
 from router.policy import NoPick, Route, RouteDecision, RouteReason, candidates, decide_route, pick
 from router.retry import Backoff, Stalled, retry_after_s
-from shared.serving.text import TextCodec
+from shared.serving.text import TextCodec, generate_input
 from router.workers import WorkerPool
 from shared.serving import convert, fan_out, wire
 from shared.serving.output_text import OutputText
@@ -30,12 +30,14 @@ from shared.serving.outcomes import CANCELLED, ERROR, OK, outcome_of_code
 logger = logging.getLogger(__name__)
 
 class RouteError(Exception):
-    """Ends the client's call with this status."""
+    """Ends the client's call with this status. The message goes to the client; where (the workers
+    involved) only to the router's log: callers need not learn the deployment's addresses."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, where: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.where = where
 
 
 class _Deadline:
@@ -100,7 +102,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         start = time.monotonic()
         outcome = ERROR
         try:
-            prompt_ids, sampling = self._validate(request)
+            prompt_ids, sampling = await self._validate(request)
             # The server span (from the tracing interceptor, when on) is current here.
             span = trace.get_current_span()
             span.set_attribute("pdserve.request_id", pod_request_id)
@@ -122,6 +124,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             outcome = OK
         except RouteError as exc:
             outcome = outcome_of_code(exc.code)
+            if exc.where is not None:
+                logger.info("request %s ended with %s on %s: %s", request_id, exc.code.name, exc.where, exc.message)
             await context.abort(exc.code, exc.message)
         except asyncio.CancelledError:
             outcome = CANCELLED
@@ -130,10 +134,10 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             if self._metrics is not None:
                 self._metrics.requests.labels(outcome=outcome).inc()
 
-    def _validate(self, request) -> tuple[list[int], SamplingParams]:
+    async def _validate(self, request) -> tuple[list[int], SamplingParams]:
         encode = self._codec.encode if self._codec is not None else None
         try:
-            prompt_ids, sampling = convert.generate_input_from_proto(
+            prompt_ids, sampling = await generate_input(
                 request, encode, no_tokenizer_hint="start the router with --tokenizer"
             )
             if sampling.stop and self._codec is None:
@@ -169,7 +173,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
 
         def chunk(token_ids: list[int], finish: FinishReason | None, logprobs: list):
             nonlocal num_sent
-            delta = output.push(token_ids, is_last=finish is not None)
+            delta = output.push(token_ids, finish)
             num_sent += len(delta.token_ids)
             return convert.generate_chunk_to_proto(
                 request_id=request_id,
@@ -284,18 +288,17 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     @staticmethod
     def _no_pick_error(pool: WorkerPool, reason: NoPick | None, last_error, tried: list[str]) -> RouteError:
+        where = ", ".join(tried) or None
+        attempts = f"{pool.tier} failed on {len(tried)} worker{'s' if len(tried) != 1 else ''}"
         if isinstance(last_error, Stalled):
-            return RouteError(grpc.StatusCode.UNAVAILABLE, f"{pool.tier} failed on {', '.join(tried)}: {last_error}")
+            return RouteError(grpc.StatusCode.UNAVAILABLE, f"{attempts}: {last_error}", where)
         if last_error is not None:
-            return RouteError(
-                last_error.code(),
-                f"{pool.tier} failed on {', '.join(tried)}: {last_error.details()}",
-            )
+            return RouteError(last_error.code(), f"{attempts}: {last_error.details()}", where)
         if reason is NoPick.ALL_OVERLOADED:
             return RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"every {pool.tier} worker is overloaded")
         return RouteError(
-            grpc.StatusCode.UNAVAILABLE,
-            f"no healthy {pool.tier} worker (known: {', '.join(pool.addresses) or 'none'})",
+            grpc.StatusCode.UNAVAILABLE, f"no healthy {pool.tier} worker ({len(pool.addresses)} known)",
+            ", ".join(pool.addresses) or None,
         )
 
     # ---- prefill ------------------------------------------------------------------------------
@@ -314,14 +317,14 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 return result, choice.address
             except ValueError as exc:
                 raise RouteError(
-                    grpc.StatusCode.INTERNAL, f"prefill worker {choice.address} sent a bad response: {exc}"
+                    grpc.StatusCode.INTERNAL, f"a prefill worker sent a bad response: {exc}", choice.address
                 ) from None
             except Stalled as exc:
                 last_error = exc
                 cause = str(exc)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _RETRYABLE:
-                    raise RouteError(exc.code(), f"prefill worker {choice.address}: {exc.details()}") from None
+                    raise RouteError(exc.code(), exc.details(), choice.address) from None
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     self._prefill.mark_unavailable(choice.address)
                 else:
@@ -350,8 +353,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                     is_answered = True
                     return result
                 if time.monotonic() >= stalled_at and not self._prefill.is_healthy(address):
-                    raise Stalled(f"no answer from {address} for {self._config.stall_timeout_s} s, "
-                                   "and it fails its health probes")
+                    raise Stalled(f"no answer for {self._config.stall_timeout_s} s, and the worker fails its "
+                                  "health probes")
         finally:
             if not is_answered:
                 # The answer may already be on its way; the hold it names must not wait for its lease.
@@ -418,7 +421,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                     last_error = exc
                     continue
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise RouteError(exc.code(), f"decode worker {choice.address}: {exc.details()}") from None
+                    raise RouteError(exc.code(), exc.details(), choice.address) from None
                 last_error = exc
                 reason = str(exc.code())
             except Stalled as exc:
@@ -460,7 +463,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                         return
             finally:
                 call.cancel()  # reaches the decode pod when the client went away
-        raise RouteError(grpc.StatusCode.INTERNAL, f"decode worker {address} ended the stream without a finish reason")
+        raise RouteError(grpc.StatusCode.INTERNAL, "a decode worker ended the stream without a finish reason", address)
 
     async def _next_message(self, call, address: str, deadline, is_first: bool):
         """The call's next message (or EOF); Stalled when the pod sends nothing for stall_timeout_s
@@ -476,7 +479,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 if done:
                     return read.result()
                 if not is_first or not self._decode.is_healthy(address):
-                    raise Stalled(f"no token from {address} for {self._config.stall_timeout_s} s")
+                    raise Stalled(f"no token for {self._config.stall_timeout_s} s")
         finally:
             if not read.done():
                 read.cancel()
@@ -486,7 +489,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         try:
             return convert.decode_chunk_from_proto(response)
         except ValueError as exc:
-            raise RouteError(grpc.StatusCode.INTERNAL, f"decode worker {address} sent a bad message: {exc}") from None
+            raise RouteError(grpc.StatusCode.INTERNAL, f"a decode worker sent a bad message: {exc}", address) from None
 
     def _record_pull(self, request_id: str, stats: KvPullStats | None) -> None:
         if stats is None:

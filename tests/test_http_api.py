@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from colocated_svc.servicer import ColocatedServicer
 from shared.engine.request import MAX_LOGPROBS, MAX_N
-from shared.serving.http_api import HttpFront, HttpServer
+from shared.serving.http_api import COMPLETIONS_PATH, HttpFront, HttpServer
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.pod_runtime import Pod, PodConfig, serving_cache_config, serving_scheduler_config
 from shared.serving.telemetry import Tracing, TracingConfig, setup_tracing
@@ -31,16 +31,16 @@ PROMPT = "The router streams tokens from the decode pod"
 
 
 @contextlib.asynccontextmanager
-async def colocated_http(tracing: Tracing | None = None):
+async def colocated_http(tracing: Tracing | None = None, codec: TextCodec | None = None, **front_options):
     """A colocated pod (tiny, with its preset tokenizer) behind the HTTP front; yields (client, pod, url).
-    tracing: the service's tracing, when traced."""
+    tracing: the service's tracing, when traced; codec: the front's (default: the preset's)."""
     pod = Pod(None, PodConfig(
         model="tiny",
         scheduler=dataclasses.replace(serving_scheduler_config(), max_model_len=MAX_MODEL_LEN),
         cache=dataclasses.replace(serving_cache_config(), num_blocks=NUM_BLOCKS),
     ))
     pod.start()
-    codec = TextCodec.from_path("tiny")
+    codec = codec or TextCodec.from_path("tiny")
     servicer = ColocatedServicer(ServiceMetrics(), tokenizer=codec.tokenizer)
     servicer.attach(pod)
     if tracing is not None:
@@ -48,7 +48,7 @@ async def colocated_http(tracing: Tracing | None = None):
         pod.loop.is_timing_requests = True  # the timelines feed the stage spans
     front = HttpFront(servicer.Generate, model_name="tiny", codec=lambda: codec, registry=servicer.metrics.registry,
                       is_ready=lambda: True, max_model_len=lambda: pod.max_model_len,
-                      tracer=lambda: servicer.tracing.tracer)
+                      tracer=lambda: servicer.tracing.tracer, **front_options)
     server = HttpServer(front.app, "127.0.0.1", 0)
     await server.start()
     try:
@@ -171,6 +171,69 @@ def test_colocated_errors_are_openai_shaped_with_the_right_status():
                 metrics = (await http.get(f"{url}/metrics")).text
                 assert "vllm:num_requests_waiting" in metrics and "pdserve_requests_total" in metrics
             await _wait_until(lambda: _all_free(pod))
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(120)
+def test_colocated_hostile_bodies_get_precise_4xx_and_the_server_serves_on():
+    hostile = [
+        (b'{"model": "tiny", "prompt": "\\ud800 x"}', 400, "unpaired UTF-16 surrogate"),
+        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nests too deeply"),
+        (b'{"prompt": "hi", "max_tokens": 1099511627776}', 400, "max_tokens"),
+        (b'{"prompt": [1, -2]}', 400, "prompt"),
+        (b'{"prompt": "hi", "stop_token_ids": [4294967296]}', 400, "stop_token_ids"),
+        (b'{"prompt": "hi", "logit_bias": {"99999": 1}}', 400, "logit_bias"),
+        (b'{"prompt": "' + b"a" * (2 * 2**20) + b'"}', 413, "larger than 1 MiB"),
+    ]
+
+    async def scenario():
+        async with colocated_http(max_body_bytes=2**20) as (client, pod, url):
+            async with httpx.AsyncClient(timeout=60) as http:
+                for body, status, needle in hostile:
+                    answer = await http.post(f"{url}/v1/completions", content=body)
+                    assert answer.status_code == status, (body[:60], answer.text)
+                    assert needle in answer.json()["error"]["message"], (body[:60], answer.text)
+                for method, path, status in (("GET", "/v1/nothing", 404), ("GET", COMPLETIONS_PATH, 405)):
+                    answer = await http.request(method, f"{url}{path}")
+                    assert answer.status_code == status and answer.json()["error"]["code"] == status
+            whole = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4)
+            assert whole.usage.completion_tokens == 4
+            await _wait_until(lambda: _all_free(pod))
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(120)
+def test_colocated_chat_without_a_template_is_a_400():
+    async def scenario():
+        codec = TextCodec(TextCodec.from_path("tiny").tokenizer, chat_template=None)
+        async with colocated_http(codec=codec) as (client, _, _url):
+            with pytest.raises(openai.BadRequestError, match="chat template"):
+                await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(120)
+def test_a_long_prompt_is_tokenized_off_the_event_loop():
+    # About 6 MB of text: seconds of tokenizing (then refused for its length), while health checks and
+    # other requests on the same event loop go on being answered.
+    async def scenario():
+        async with colocated_http() as (client, pod, url):
+            async with httpx.AsyncClient(timeout=120) as http:
+                big = asyncio.ensure_future(http.post(f"{url}/v1/completions",
+                                                      json={"prompt": "hello world " * 500_000, "max_tokens": 1}))
+                await asyncio.sleep(0.3)
+                latencies = []
+                while not big.done():
+                    started = time.monotonic()
+                    assert (await http.get(f"{url}/health")).status_code == 200
+                    latencies.append(time.monotonic() - started)
+                    await asyncio.sleep(0.05)
+                answer = await big
+                assert answer.status_code == 400 and "maximum length" in answer.json()["error"]["message"]
+                assert len(latencies) >= 3 and max(latencies) < 1.0, latencies
 
     asyncio.run(scenario())
 

@@ -173,13 +173,18 @@ def test_stream_options():
         oai.stream_options_from_openai({"stream_options": {"include_usage": True}})
 
 
-def test_chat_messages_join_text_parts_and_refuse_others():
+def test_chat_messages_are_checked_and_their_parts_left_to_the_codec():
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
-    assert oai.chat_messages({"messages": [{"role": "user", "content": parts}]})[0]["content"] == "ab"
-    with pytest.raises(InvalidRequest, match="only text parts"):
-        oai.chat_messages({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+    assert oai.chat_messages({"messages": [{"role": "user", "content": parts}]})[0]["content"] == parts
+    with pytest.raises(InvalidRequest, match="string or a list of parts"):
+        oai.chat_messages({"messages": [{"role": "user", "content": 7}]})
     with pytest.raises(InvalidRequest, match="non-empty list"):
         oai.chat_messages({"messages": []})
+    assert oai.chat_template_options({}) == (True, {})
+    assert oai.chat_template_options({"add_generation_prompt": False, "chat_template_kwargs": {"x": 1}}) == (
+        False, {"x": 1})
+    with pytest.raises(InvalidRequest, match="chat_template_kwargs"):
+        oai.chat_template_options({"chat_template_kwargs": [1]})
 
 
 @pytest.mark.parametrize("preset", TOKENIZER_PRESETS)
@@ -221,3 +226,35 @@ def test_a_template_that_raises_is_a_clear_error():
     template = ChatTemplate("{{ raise_exception('roles must alternate') }}", {})
     with pytest.raises(ChatTemplateError, match="roles must alternate"):
         template.render(MESSAGES)
+
+
+def test_one_structured_output_constraint_per_request():
+    with pytest.raises(InvalidRequest, match="guided_json and guided_regex"):
+        oai.sampling_params_from_openai({"guided_json": {"type": "object"}, "guided_regex": "a+"})
+    with pytest.raises(InvalidRequest, match="response_format and guided_regex"):
+        oai.sampling_params_from_openai({"response_format": {"type": "json_object"}, "guided_regex": "b+"})
+    # A text response_format asks for no constraint.
+    params = oai.sampling_params_from_openai({"response_format": {"type": "text"}, "guided_regex": "b+"})
+    assert params.structured_output.regex == "b+"
+
+
+def test_guided_choice_is_a_grammar_of_its_literals():
+    params = oai.sampling_params_from_openai({"guided_choice": ["yes", 'no "way"']})
+    assert params.structured_output.grammar == 'start: "yes" | "no \\"way\\""'
+    with pytest.raises(InvalidRequest, match="guided_choice"):
+        oai.sampling_params_from_openai({"guided_choice": []})
+
+
+def test_null_means_unset_for_stream_and_known_openai_fields():
+    assert not oai.stream_options_from_openai({"stream": None}).is_streaming
+    oai.check_fields({"reasoning_effort": None, "audio": None, "modalities": ["text"], "prompt_cache_key": "k",
+                      "safety_identifier": "s"}, ())
+    with pytest.raises(InvalidRequest, match="'reasoning_effort' is not supported"):
+        oai.check_fields({"reasoning_effort": "high"}, ())
+
+
+def test_logit_bias_names_what_is_wrong():
+    with pytest.raises(InvalidRequest, match="keys must be token ids"):
+        oai.sampling_params_from_openai({"logit_bias": {"x": 1}})
+    with pytest.raises(InvalidRequest, match=r"logit_bias\[5\] must be a finite number"):
+        oai.sampling_params_from_openai({"logit_bias": {"5": "x"}})

@@ -14,7 +14,7 @@ from bpe_tokenizer import EOS_TOKEN_ID, bpe_tokenizer
 from shared.engine.grammar import GrammarCompiler
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.model.sampler import RowHistory, output_logprobs, process_logits, sample
-from shared.engine.request import Request, SamplingParams, StructuredOutputSpec
+from shared.engine.request import FinishReason, Request, SamplingParams, StructuredOutputSpec
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.serving import fan_out
 from shared.serving.output_text import OutputText
@@ -221,29 +221,42 @@ def test_stop_string_split_across_tokens_is_cut_like_vllm():
     tokenizer = bpe_tokenizer()
     ids = tokenizer.encode("the quick brown fox jumps").ids
     text = OutputText(TextStream(tokenizer), SamplingParams(stop=("k bro",)))
-    delta = text.push(ids, is_last=False)
+    delta = text.push(ids, None)
     assert delta.stop_string == "k bro"
     assert delta.text == "the quic"
     completed_at = next(i for i in range(len(ids)) if "k bro" in tokenizer.decode(ids[:i + 1]))
     assert delta.token_ids == ids[:completed_at + 1], "the token that completed the stop is the last one kept"
     kept = OutputText(TextStream(tokenizer), SamplingParams(stop=("k bro",), include_stop_str_in_output=True))
-    assert kept.push(ids, is_last=False).text == "the quick bro"
+    assert kept.push(ids, None).text == "the quick bro"
 
 
 def test_streamed_text_holds_back_a_possible_stop_prefix():
     tokenizer = bpe_tokenizer()
     ids = tokenizer.encode("the lazy dog").ids
     text = OutputText(TextStream(tokenizer), SamplingParams(stop=("dogs",)))
-    streamed = "".join(text.push([token], is_last=False).text for token in ids)
+    streamed = "".join(text.push([token], None).text for token in ids)
     assert streamed == "the lazy dog"[:len(streamed)] and len(streamed) <= len("the lazy dog") - 3
-    assert streamed + text.push([], is_last=True).text == "the lazy dog"
+    assert streamed + text.push([], FinishReason.LENGTH).text == "the lazy dog"
+
+
+def test_a_stop_token_ends_the_text_without_its_own_text_like_vllm():
+    # A stop token (here a plain word, as an EOS that is not a special token would be) is counted and
+    # sent as a token id, but its text is not added, unless include_stop_str_in_output.
+    tokenizer = bpe_tokenizer()
+    ids = tokenizer.encode("the lazy dog").ids
+    text = OutputText(TextStream(tokenizer), SamplingParams())
+    delta = text.push(ids, FinishReason.STOP)
+    assert delta.token_ids == ids and delta.text == tokenizer.decode(ids[:-1])
+    kept = OutputText(TextStream(tokenizer), SamplingParams(include_stop_str_in_output=True))
+    assert kept.push(ids, FinishReason.STOP).text == "the lazy dog"
+    assert OutputText(TextStream(tokenizer), SamplingParams()).push(ids, FinishReason.LENGTH).text == "the lazy dog"
 
 
 def test_stop_strings_wait_for_min_tokens():
     tokenizer = bpe_tokenizer()
     ids = tokenizer.encode("the the the").ids
     text = OutputText(TextStream(tokenizer), SamplingParams(stop=("the",), min_tokens=2, max_tokens=5))
-    delta = text.push(ids, is_last=False)
+    delta = text.push(ids, None)
     assert delta.stop_string == "the" and len(delta.token_ids) > 2
 
 

@@ -1,16 +1,172 @@
-"""Chat templates from a checkpoint's tokenizer_config.json, rendered with jinja2 the way transformers
-renders them (sandboxed, trim_blocks/lstrip_blocks, raise_exception, tojson)."""
+"""Chat templates of a checkpoint's tokenizer, found where transformers' AutoTokenizer finds them and rendered
+the way its apply_chat_template renders them: the same sandbox, globals, filters, extensions and variables,
+so a template transformers renders renders here to the same text."""
 from __future__ import annotations
 
 import json
+import logging
+from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
+
+logger = logging.getLogger(__name__)
+
+# Where a checkpoint keeps its templates (transformers' names). Files win over tokenizer_config.json's
+# "chat_template"; chat_template.json is the processors' legacy file, read only when the tokenizer has none.
+TEMPLATE_FILE = "chat_template.jinja"
+NAMED_TEMPLATE_DIR = "additional_chat_templates"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+LEGACY_TEMPLATE_FILE = "chat_template.json"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+DEFAULT_NAME = "default"  # the named template transformers uses when no tools are passed
+
+# Names a message's reasoning comes under; transformers fills the first (and "thinking") from any of them.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 class ChatTemplateError(ValueError):
-    """The template refused the messages (its raise_exception) or failed to render them."""
+    """The messages cannot become a prompt: no chat template, or the template refused them (its
+    raise_exception) or failed on them."""
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: dict[str, str]):
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"the chat template does not parse: {exc}") from None
+        self._special_tokens = special_tokens
+
+    @classmethod
+    def from_directory(cls, directory: str | Path) -> "ChatTemplate | None":
+        """The default chat template of a tokenizer directory, None when it has none. ValueError when a file
+        is unreadable or the template does not parse."""
+        directory = Path(directory)
+        config = _read_json(directory / TOKENIZER_CONFIG_FILE)
+        templates = _template_files(directory) or _named_templates(config.get("chat_template"))
+        if not templates:
+            templates = _named_templates(_read_json(directory / LEGACY_TEMPLATE_FILE).get("chat_template"))
+        return cls._default_of(templates, _special_tokens(config, directory))
+
+    @classmethod
+    def from_tokenizer_config(cls, config: dict) -> "ChatTemplate | None":
+        """The default chat template inside a tokenizer_config.json's contents, None when it has none."""
+        return cls._default_of(_named_templates(config.get("chat_template")), _special_tokens(config))
+
+    @classmethod
+    def _default_of(cls, templates: dict[str, str], special_tokens: dict[str, str]) -> "ChatTemplate | None":
+        source = templates.get(DEFAULT_NAME)
+        if templates and not isinstance(source, str):
+            # transformers refuses to choose among named templates without a default; so do we.
+            logger.warning("the tokenizer's chat templates %s include no %r one: chat is off",
+                           sorted(templates), DEFAULT_NAME)
+        if not isinstance(source, str) or not source:
+            return None
+        return cls(source, special_tokens)
+
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True, **variables: Any) -> str:
+        """The prompt text; variables (vLLM's chat_template_kwargs) override the special tokens, as in
+        transformers."""
+        context = {"tools": None, "documents": None, **self._special_tokens, **variables}
+        context.update(messages=[_template_message(message) for message in messages],
+                       add_generation_prompt=add_generation_prompt)
+        try:
+            return self._template.render(**context)
+        except ChatTemplateError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - checkpoint code run on client input: any failure refuses the input
+            raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+
+def _read_json(file: Path) -> dict:
+    if not file.is_file():
+        return {}
+    try:
+        content = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {file}: {exc}") from None
+    if not isinstance(content, dict):
+        raise ValueError(f"cannot read {file}: not a JSON object")
+    return content
+
+
+def _template_files(directory: Path) -> dict[str, str]:
+    """chat_template.jinja (the default) and additional_chat_templates/<name>.jinja, as transformers saves
+    them; together they replace any template in tokenizer_config.json."""
+    named = sorted((directory / NAMED_TEMPLATE_DIR).glob("*.jinja"))
+    files = {path.name.removesuffix(".jinja"): path for path in named}
+    if (directory / TEMPLATE_FILE).is_file():
+        files[DEFAULT_NAME] = directory / TEMPLATE_FILE
+    try:
+        return {name: path.read_text(encoding="utf-8") for name, path in files.items()}
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read a chat template: {exc}") from None
+
+
+def _named_templates(value: Any) -> dict[str, str]:
+    """A "chat_template" entry by name: one string is the default; a list holds {"name", "template"}."""
+    if isinstance(value, str):
+        return {DEFAULT_NAME: value}
+    if isinstance(value, list):
+        return {entry.get("name"): entry.get("template") for entry in value if isinstance(entry, dict)}
+    if isinstance(value, dict):
+        return dict(value)
+    return {}
+
+
+def _special_tokens(config: dict, directory: Path | None = None) -> dict[str, str]:
+    """The variables transformers' special_tokens_map gives every template: each *_token of the config
+    (model-specific ones such as image_token too) and of its extra_special_tokens mapping. A config without
+    added_tokens_decoder is from before tokenizer_config.json held them: special_tokens_map.json overrides it."""
+    values = dict(config)
+    if directory is not None and "added_tokens_decoder" not in config:
+        values.update(_read_json(directory / SPECIAL_TOKENS_MAP_FILE))
+    if isinstance(values.get("extra_special_tokens"), dict):
+        values.update(values["extra_special_tokens"])
+    tokens = {name: _token_text(value) for name, value in values.items() if name.endswith("_token")}
+    return {name: token for name, token in tokens.items() if token is not None}
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token is a string or an AddedToken dict; anything else (null, a flag) is none."""
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return value if isinstance(value, str) else None
+
+
+# ---- rendering --------------------------------------------------------------------------------
+
+
+def _template_message(message: dict) -> dict:
+    """A message as transformers hands it to templates: keys whose value is None dropped (templates test
+    presence, not None), and its reasoning under every name templates read it by."""
+    message = {key: value for key, value in message.items() if value is not None}
+    reasoning = next((message[field] for field in _REASONING_FIELDS if field in message), None)
+    if reasoning is not None:
+        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    """transformers' template environment: templates are untrusted code from the checkpoint, hence the
+    immutable sandbox and the safer dict and namespace."""
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = _strftime_now
+    environment.globals["dict"] = _TemplateDict()
+    environment.globals["namespace"] = _TemplateNamespace
+    return environment
 
 
 def _raise_exception(message: str):
@@ -19,47 +175,56 @@ def _raise_exception(message: str):
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
             sort_keys: bool = False) -> str:
-    # transformers' tojson keeps non-ASCII as is (jinja2's own escapes it for HTML).
+    # transformers' tojson keeps non-ASCII and HTML characters as is (jinja2's own escapes them for HTML).
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _special_token(value: Any) -> str:
-    """tokenizer_config.json gives special tokens as strings or as AddedToken dicts."""
-    if isinstance(value, dict):
-        return str(value.get("content", ""))
-    return "" if value is None else str(value)
+def _strftime_now(format: str) -> str:  # noqa: A002 - the name templates call it with
+    # Templates date their system prompt with it (Llama 3.1, Mistral Small): local time, as in transformers.
+    return datetime.now().strftime(format)
 
 
-class ChatTemplate:
-    def __init__(self, source: str, special_tokens: dict[str, str]):
-        environment = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        environment.filters["tojson"] = _tojson
-        environment.globals["raise_exception"] = _raise_exception
-        try:
-            self._template = environment.from_string(source)
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"the chat template does not parse: {exc}") from None
-        self._special_tokens = special_tokens
+class _GenerationTag(Extension):
+    """{% generation %}...{% endgeneration %} marks the assistant's text for transformers' training masks;
+    rendering keeps the block's text. A call block, as transformers parses it, so the block scopes alike."""
 
-    @classmethod
-    def from_tokenizer_config(cls, config: dict) -> "ChatTemplate | None":
-        source = config.get("chat_template")
-        if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
-            named = {entry.get("name"): entry.get("template") for entry in source if isinstance(entry, dict)}
-            source = named.get("default")
-        if not isinstance(source, str) or not source:
-            return None
-        names = ("bos_token", "eos_token", "unk_token", "pad_token")
-        return cls(source, {name: _special_token(config.get(name)) for name in names})
+    tags = {"generation"}
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self._special_tokens
-            )
-        except ChatTemplateError:
-            raise
-        except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller) -> str:
+        return caller()
+
+
+class _TemplateDict:
+    """dict() and dict.fromkeys() without the dict type itself, which templates could otherwise inspect."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(Namespace):
+    """A namespace that refuses underscore names, which could reach Python internals."""
+
+    def __init__(*args, **kwargs):  # jinja2's signature trick: namespace(self=...) stays a plain attribute
+        self, args = args[0], args[1:]
+        attributes = dict(*args, **kwargs)
+        for name in attributes:
+            _TemplateNamespace._check_name(name)
+        Namespace.__init__(self, attributes)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check_name(name)
+        Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot store underscore-prefixed attributes on a namespace: {name!r}")

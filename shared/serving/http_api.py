@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -17,6 +18,7 @@ import uvicorn
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -25,7 +27,7 @@ from proto.pdserve.v1 import generate_pb2
 from shared.engine.request import FinishReason, TokenLogprobs
 from shared.serving import convert, openai_protocol as oai
 from shared.serving.chat_template import ChatTemplateError
-from shared.serving.outcomes import InvalidRequest
+from shared.serving.outcomes import InvalidRequest, invalid_on_value_error
 from shared.serving.settings import setting
 from shared.serving.telemetry import HttpTracingMiddleware
 from shared.serving.text import TextCodec
@@ -65,10 +67,19 @@ class HttpConfig:
     served_model_name: str | None = field(default=None, metadata=setting(
         "the model name the HTTP API answers to (default: the model or tokenizer name)", parse=_none_if_empty
     ))
+    http_max_body_mib: int = field(default=16, metadata=setting(
+        "largest request body the HTTP API reads, in MiB (a larger one gets 413 before it is parsed)"
+    ))
 
     def __post_init__(self) -> None:
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if self.http_max_body_mib < 1:
+            raise ValueError(f"http_max_body_mib must be at least 1, got {self.http_max_body_mib}")
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.http_max_body_mib * 2**20
 
 
 class CallEnded(grpc.aio.AbortError):
@@ -228,6 +239,7 @@ class HttpFront:
         max_model_len: Callable[[], int | None] = lambda: None,
         api_key: str | None = None,
         tracer: Callable[[], trace.Tracer] = lambda: _NO_TRACER,
+        max_body_bytes: int = HttpConfig().max_body_bytes,
     ):
         """codec: the text codec (for chat templates and logprobs' token texts) once known; api_key: the
         bearer token clients must send (None: open); tracer: the service's tracer (its tracing may be set
@@ -239,13 +251,15 @@ class HttpFront:
         self._is_ready = is_ready
         self._max_model_len = max_model_len
         self._api_key = api_key
+        self._max_body_bytes = max_body_bytes
+        self._created = int(time.time())
         app = Starlette(routes=[
             Route(COMPLETIONS_PATH, self._completions, methods=["POST"]),
             Route(CHAT_COMPLETIONS_PATH, self._chat_completions, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
-        ])
+        ], exception_handlers={HTTPException: _http_exception})
         # Probes and scrapes are not traced: their spans would bury the requests'.
         self.app = HttpTracingMiddleware(app, tracer, traced_paths=(COMPLETIONS_PATH, CHAT_COMPLETIONS_PATH))
 
@@ -253,7 +267,7 @@ class HttpFront:
     async def _models(self, request: Request) -> Response:
         if (denied := self._check_key(request)) is not None:
             return denied
-        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pdserve"}
+        card = {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "pdserve"}
         if (max_model_len := self._max_model_len()) is not None:
             card["max_model_len"] = max_model_len
         return JSONResponse({"object": "list", "data": [card]})
@@ -275,10 +289,15 @@ class HttpFront:
         if (denied := self._check_key(request)) is not None:
             return denied
         try:
-            body = await self._body(request)
+            raw = await self._raw_body(request)
+        except BodyTooLarge as exc:
+            return _error(413, "invalid_request_error", str(exc))
+        try:
+            # Parsing, chat rendering and tokenizing a large body take long: off the event loop.
+            body = await asyncio.to_thread(_parse_body, raw)
             if (unknown := self._unknown_model(body)) is not None:
                 return unknown
-            message, parsed = self._generate_request(body, is_chat)
+            message, parsed = await asyncio.to_thread(self._generate_request, body, is_chat)
         except InvalidRequest as exc:
             return _error(400, "invalid_request_error", str(exc))
         response = _Response(is_chat, self.model_name, parsed.wants_logprobs, self._token_texts)
@@ -298,11 +317,15 @@ class HttpFront:
         return await self._whole(request, response, first, responses)
 
     def _generate_request(self, body: dict[str, Any], is_chat: bool) -> tuple[generate_pb2.GenerateRequest, _Request]:
+        with invalid_on_value_error():  # a value out of a proto field's range, for one
+            return self._generate_request_of(body, is_chat)
+
+    def _generate_request_of(self, body: dict[str, Any], is_chat: bool) -> tuple[generate_pb2.GenerateRequest, _Request]:
         default_max_tokens = oai.COMPLETIONS_DEFAULT_MAX_TOKENS
         if is_chat:
             oai.check_fields(body, ("messages", "chat_template_kwargs", "add_generation_prompt", "logprobs",
                                     "top_logprobs"))
-            prompt: str | list[int] = self._chat_prompt(oai.chat_messages(body))
+            prompt: str | list[int] = self._chat_prompt(oai.chat_messages(body), *oai.chat_template_options(body))
             default_max_tokens = self._rest_of_context(len(prompt))
         else:
             oai.check_fields(body, ("prompt", "logprobs"))
@@ -335,13 +358,14 @@ class HttpFront:
             return [f"token_id:{token_id}" for token_id in token_ids]
         return codec.token_texts(token_ids)
 
-    def _chat_prompt(self, messages: list[dict]) -> list[int]:
+    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool, variables: dict[str, Any]) -> list[int]:
         codec = self._codec()
         if codec is None:
             raise InvalidRequest("chat needs a tokenizer with a chat template: start the server with --tokenizer")
         try:
-            return codec.encode_chat(messages)
-        except ChatTemplateError as exc:
+            return codec.encode_chat(messages, add_generation_prompt=add_generation_prompt,
+                                     template_variables=variables)
+        except ChatTemplateError as exc:  # no template, or the template refused the messages
             raise InvalidRequest(f"chat template: {exc}") from None
 
     async def _whole(self, request: Request, response: _Response, first, responses) -> Response:
@@ -391,15 +415,18 @@ class HttpFront:
             return _error(401, "authentication_error", "missing or wrong API key (Authorization: Bearer ...)")
         return None
 
-    @staticmethod
-    async def _body(request: Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise InvalidRequest("the body must be a JSON object")
-        return body
+    async def _raw_body(self, request: Request) -> bytes:
+        """The body's bytes; BodyTooLarge as soon as it is known to pass the limit (nothing more is read)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self._max_body_bytes:
+            raise BodyTooLarge(self._max_body_bytes)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self._max_body_bytes:
+                raise BodyTooLarge(self._max_body_bytes)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _unknown_model(self, body: dict[str, Any]) -> Response | None:
         model = body.get("model")
@@ -407,6 +434,34 @@ class HttpFront:
             return None
         return _error(404, "invalid_request_error", f"the model '{model}' does not exist (this server has "
                       f"'{self.model_name}')")
+
+
+class BodyTooLarge(Exception):
+    def __init__(self, limit: int):
+        super().__init__(f"the request body is larger than {limit // 2**20} MiB (the server's --http-max-body-mib)")
+
+
+def _parse_body(raw: bytes) -> dict[str, Any]:
+    """The JSON object of a request body, or InvalidRequest saying why not."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequest("the body's JSON nests too deeply") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    if b"\\ud" in raw.lower():  # JSON may escape a lone UTF-16 surrogate, which no UTF-8 text can carry
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise InvalidRequest("the body has a string with an unpaired UTF-16 surrogate (\\ud800-\\udfff)") from None
+    return body
+
+
+async def _http_exception(request: Request, exc: HTTPException) -> Response:
+    """Unknown paths and methods answered as OpenAI error objects, like every other error."""
+    return _error(exc.status_code, "invalid_request_error", f"{request.method} {request.url.path}: {exc.detail}")
 
 
 async def _unless_disconnected(request: Request, work: Awaitable):

@@ -18,6 +18,7 @@ from shared.engine.request import (
     StructuredOutputSpec,
     TokenLogprobs,
 )
+from shared.serving.convert import UINT32_MAX
 from shared.serving.outcomes import InvalidRequest
 
 # OpenAI's default (the domain default is greedy; an OpenAI client that sends no temperature expects 1),
@@ -38,19 +39,19 @@ _FINISH_REASONS = {
 
 def _number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidRequest(f"{name} must be a finite number, got {value!r}")
+        raise InvalidRequest(f"{name} must be a finite number, got {_shortened(value)}")
     return float(value)
 
 
 def _integer(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequest(f"{name} must be an integer, got {value!r}")
+        raise InvalidRequest(f"{name} must be an integer, got {_shortened(value)}")
     return value
 
 
 def _boolean(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise InvalidRequest(f"{name} must be true or false, got {value!r}")
+        raise InvalidRequest(f"{name} must be true or false, got {_shortened(value)}")
     return value
 
 
@@ -60,27 +61,38 @@ def _top_k(name: str, value: Any) -> int:
 
 
 def _token_ids(name: str, value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise InvalidRequest(f"{name} must be a list of token ids, got {value!r}")
+    if not isinstance(value, list) or not all(_is_token_id(t) for t in value):
+        raise InvalidRequest(f"{name} must be a list of token ids (integers in [0, {UINT32_MAX}]), got "
+                             f"{_shortened(value)}")
     return tuple(value)
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= UINT32_MAX
+
+
+def _shortened(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
 
 
 def _stop(name: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
     if not isinstance(value, list) or not all(isinstance(text, str) for text in value):
-        raise InvalidRequest(f"{name} must be a string or a list of strings, got {value!r}")
+        raise InvalidRequest(f"{name} must be a string or a list of strings, got {_shortened(value)}")
     return tuple(value)
 
 
 def _logit_bias(name: str, value: Any) -> dict[int, float]:
     """OpenAI sends token ids as JSON object keys (strings)."""
     if not isinstance(value, dict):
-        raise InvalidRequest(f"{name} must be an object of token id -> bias, got {value!r}")
-    try:
-        return {int(token): _number(f"{name}[{token}]", bias) for token, bias in value.items()}
-    except ValueError:
-        raise InvalidRequest(f"{name} keys must be token ids, got {sorted(value)!r}") from None
+        raise InvalidRequest(f"{name} must be an object of token id -> bias, got {_shortened(value)}")
+    bad_keys = [token for token in value if not token.isdigit()]
+    if bad_keys:
+        raise InvalidRequest(f"{name} keys must be token ids, got {bad_keys[:5]!r}")
+    return {int(token): _number(f"{name}[{token}]", bias) for token, bias in value.items()}
 
 
 def _response_format(name: str, value: Any) -> StructuredOutputSpec | None:
@@ -94,7 +106,7 @@ def _response_format(name: str, value: Any) -> StructuredOutputSpec | None:
         if not isinstance(schema, dict):
             raise InvalidRequest(f"{name}.json_schema.schema must be a JSON schema object")
         return StructuredOutputSpec(json_schema=json.dumps(schema))
-    raise InvalidRequest(f"{name} must be {{'type': 'text' | 'json_object' | 'json_schema', ...}}, got {value!r}")
+    raise InvalidRequest(f"{name} must be {{'type': 'text' | 'json_object' | 'json_schema', ...}}, got {_shortened(value)}")
 
 
 def _guided(kind: str) -> Callable[[str, Any], StructuredOutputSpec]:
@@ -106,6 +118,13 @@ def _guided(kind: str) -> Callable[[str, Any], StructuredOutputSpec]:
             raise InvalidRequest(f"{name} must be a non-empty string")
         return StructuredOutputSpec(**{kind: value})
     return parse
+
+
+def _guided_choice(name: str, value: Any) -> StructuredOutputSpec:
+    """vLLM's guided_choice: the output is exactly one of these strings (a Lark grammar of literals)."""
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        raise InvalidRequest(f"{name} must be a non-empty list of non-empty strings")
+    return StructuredOutputSpec(grammar="start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
 
 
 # The one mapping from OpenAI request fields to SamplingParams fields: field -> (param, parse).
@@ -130,6 +149,7 @@ SAMPLING_FIELDS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "guided_json": ("structured_output", _guided("json_schema")),
     "guided_regex": ("structured_output", _guided("regex")),
     "guided_grammar": ("structured_output", _guided("grammar")),
+    "guided_choice": ("structured_output", _guided_choice),
     "n": ("n", _integer),
 }
 
@@ -138,9 +158,12 @@ SAMPLING_FIELDS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "best_of": 1, "echo": False, "suffix": None,
     "tools": None, "tool_choice": None, "min_p": 0, "functions": None, "function_call": None,
+    "reasoning_effort": None, "modalities": ["text"], "audio": None, "prediction": None,
+    "web_search_options": None, "verbosity": None,
 }
 # Fields that change nothing in the output (accepted and ignored).
-INFORMATIONAL_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+INFORMATIONAL_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                        "safety_identifier")
 _REQUEST_FIELDS = ("model", "stream", "stream_options", "request_id")
 
 
@@ -153,10 +176,15 @@ def sampling_params_from_openai(
     before it, completions never do (vLLM's completions request holds 16 as if the client sent it)."""
     kwargs: dict[str, Any] = {"temperature": OPENAI_DEFAULT_TEMPERATURE, "max_tokens": default_max_tokens}
     given = set()
+    constraints = []
     for name, (param, parse) in SAMPLING_FIELDS.items():
         if body.get(name) is not None:
             kwargs[param] = parse(name, body[name])
             given.add(param)
+            if param == "structured_output" and kwargs[param] is not None:
+                constraints.append(name)
+    if len(constraints) > 1:
+        raise InvalidRequest(f"one structured-output constraint per request: got {' and '.join(constraints)}")
     if not is_chat:
         given.add("max_tokens")
     kwargs["unset"] = MODEL_DEFAULT_FIELDS - given
@@ -212,7 +240,7 @@ class StreamOptions:
 
 
 def stream_options_from_openai(body: dict[str, Any]) -> StreamOptions:
-    is_streaming = _boolean("stream", body.get("stream", False))
+    is_streaming = body.get("stream") is not None and _boolean("stream", body["stream"])
     options = body.get("stream_options")
     if options is None:
         return StreamOptions(is_streaming, False, False)
@@ -251,30 +279,29 @@ def _empty_prompt():
     raise InvalidRequest("prompt token ids are empty")
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    """The chat messages with their content as plain text (text parts joined)."""
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages, each an object with a role and a content that is text, a list of parts (the
+    codec reads their text) or absent."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list")
-    plain = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidRequest(f"messages[{index}] must be an object with a 'role'")
-        plain.append({**message, "content": _message_text(index, message.get("content"))})
-    return plain
+        if not isinstance(message.get("content"), (str, list, type(None))):
+            raise InvalidRequest(f"messages[{index}].content must be a string or a list of parts")
+    return messages
 
 
-def _message_text(index: int, content: Any) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidRequest(f"messages[{index}].content: only text parts are supported")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts")
+def chat_template_options(body: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+    """(add_generation_prompt, chat_template_kwargs), as vLLM takes them."""
+    add_generation_prompt = body.get("add_generation_prompt")
+    add_generation_prompt = True if add_generation_prompt is None else _boolean("add_generation_prompt",
+                                                                                 add_generation_prompt)
+    variables = body.get("chat_template_kwargs") or {}
+    if not isinstance(variables, dict):
+        raise InvalidRequest(f"chat_template_kwargs must be an object, got {_shortened(variables)}")
+    return add_generation_prompt, variables
 
 
 # ---- responses --------------------------------------------------------------------------------

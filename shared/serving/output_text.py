@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.engine.request import SamplingParams
+from shared.engine.request import FinishReason, SamplingParams
 from shared.serving.text import TextStream
 
 
@@ -35,14 +35,20 @@ class OutputText:
         self._num_sent_chars = 0
         self._num_tokens = 0
 
-    def push(self, token_ids: list[int], is_last: bool) -> TextDelta:
-        """is_last: the engine finished the completion with these tokens (everything held back goes out)."""
+    def push(self, token_ids: list[int], finish: FinishReason | None) -> TextDelta:
+        """finish: how the engine finished the completion with these tokens (then everything held back goes
+        out). A stop token (EOS, stop_token_ids) ends it without adding its text, as in vLLM, unless
+        include_stop_str_in_output."""
         if self._stream is None:
             return TextDelta(list(token_ids), "")
+        is_last = finish is not None
+        num_texted = len(token_ids) - (finish is FinishReason.STOP and not self._include_stop)
         kept = []
-        for token_id in token_ids:
+        for index, token_id in enumerate(token_ids):
             kept.append(token_id)
             self._num_tokens += 1
+            if index >= num_texted:
+                break
             piece = self._stream.push([token_id])
             self._text += piece
             stop_string = self._check_stop(len(piece))

@@ -3,18 +3,42 @@ checkpoint's chat template, and turns streamed token ids into text incrementally
 the stream when it never completes, as transformers' decode() shows it)."""
 from __future__ import annotations
 
-import json
+import asyncio
+import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from shared.engine.model.preset_files import preset_tokenizer_dir
+from proto.pdserve.v1 import generate_pb2
+from shared.engine.request import SamplingParams
 from shared.engine.tokenizer import load_tokenizer
-from shared.serving.chat_template import ChatTemplate
+from shared.serving import convert
+from shared.serving.chat_template import TEMPLATE_FILE, TOKENIZER_CONFIG_FILE, ChatTemplate, ChatTemplateError
 
 logger = logging.getLogger(__name__)
+
+# A prompt text longer than this is tokenized on a worker thread (a megabyte takes about half a second
+# on one core), so the event loop goes on serving the other requests, health checks included.
+LONG_TEXT_CHARS = 16_384
+
+
+def encode_text(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """The token ids of text. The batch call releases the GIL while it works (encode() holds it), so a
+    worker thread tokenizing a long prompt does not stall the event loop; _fast skips the offsets."""
+    return tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+async def generate_input(message: generate_pb2.GenerateRequest, encode: Callable[[str], list[int]] | None, *,
+                         no_tokenizer_hint: str) -> tuple[list[int], SamplingParams]:
+    """convert.generate_input_from_proto, on a worker thread when the prompt text is long."""
+    parse = functools.partial(convert.generate_input_from_proto, message, encode, no_tokenizer_hint=no_tokenizer_hint)
+    if message.WhichOneof("prompt") == "text" and len(message.text) > LONG_TEXT_CHARS:
+        return await asyncio.to_thread(parse)
+    return parse()
 
 
 class TextCodec:
@@ -24,11 +48,12 @@ class TextCodec:
 
     @classmethod
     def from_path(cls, path: str) -> "TextCodec":
-        """Loads a tokenizer.json, the tokenizer.json inside a model directory (with the chat template of its
-        tokenizer_config.json), or a built-in preset's by the preset's name (ValueError if absent)."""
+        """Loads a tokenizer.json, the tokenizer.json inside a model directory (with the chat template found
+        beside it, where transformers finds it), or a built-in preset's by the preset's name (ValueError if
+        absent)."""
         location = preset_tokenizer_dir(path) or Path(path)
         directory = location if location.is_dir() else location.parent
-        return cls(load_tokenizer(location), _chat_template_in(directory))
+        return cls(load_tokenizer(location), ChatTemplate.from_directory(directory))
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -39,7 +64,7 @@ class TextCodec:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text).ids)
+        return encode_text(self._tokenizer, text)
 
     def token_texts(self, token_ids: list[int]) -> list[str]:
         """Each token's text alone, special tokens included: how logprobs name tokens (as vLLM does)."""
@@ -48,26 +73,53 @@ class TextCodec:
     def stream(self) -> "TextStream":
         return TextStream(self._tokenizer)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """The token ids of chat messages rendered with the chat template (ending in the assistant's turn).
-        ValueError when there is no template or the template rejects the messages."""
+    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                    template_variables: dict | None = None) -> list[int]:
+        """The token ids of chat messages rendered with the chat template (ending in the assistant's turn
+        unless add_generation_prompt is off). A content given as parts becomes one string, as vLLM gives it
+        to templates that take strings. ChatTemplateError when there is no template or the template rejects
+        the messages."""
         if self.chat_template is None:
-            raise ValueError("the tokenizer has no chat template (tokenizer_config.json with chat_template)")
-        text = self.chat_template.render(messages)
+            raise ChatTemplateError(f"the tokenizer has no chat template ({TEMPLATE_FILE}, or chat_template in "
+                                    f"{TOKENIZER_CONFIG_FILE})")
+        messages = [_with_text_content(index, message) for index, message in enumerate(messages)]
+        text = self.chat_template.render(
+            messages, add_generation_prompt=add_generation_prompt, **(template_variables or {}))
         # The template already wrote the special tokens (bos, role markers): add none of our own.
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        return encode_text(self._tokenizer, text, add_special_tokens=False)
 
 
-def _chat_template_in(directory: Path) -> ChatTemplate | None:
-    """The chat template of the directory's tokenizer_config.json, when it has one."""
-    config_file = directory / "tokenizer_config.json"
-    if not config_file.is_file():
-        return None
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read {config_file}: {exc}") from None
-    return ChatTemplate.from_tokenizer_config(config)
+# The text part types vLLM takes, and the field holding each one's text.
+_TEXT_PART_FIELDS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+                     "thinking": "thinking"}
+
+
+def _with_text_content(index: int, message: dict) -> dict:
+    """vLLM's "string" content format: a content given as parts is their texts joined with newlines."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    return {**message, "content": "\n".join(_part_texts(index, content))}
+
+
+def _part_texts(index: int, parts: list) -> list[str]:
+    """The texts of a content's parts, read as vLLM reads them: a part may be a plain string, a text part
+    whose text is null is skipped, and any other part (image, audio) is refused: this server is text only."""
+    texts = []
+    for part in parts:
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        field = _TEXT_PART_FIELDS.get(part.get("type")) if isinstance(part, dict) else None
+        if field is None:
+            raise ChatTemplateError(f"messages[{index}].content: only text parts are supported")
+        text = part.get(field)
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            raise ChatTemplateError(f"messages[{index}].content: a {part['type']!r} part's {field!r} must be a string")
+        texts.append(text)
+    return texts
 
 
 class TextStream:
