@@ -25,7 +25,7 @@ from shared.serving import convert, fan_out, wire
 from shared.serving.output_text import OutputText
 from shared.engine.kv_transfer.handle import KvHandle, KvPullStats
 from shared.engine.request import FinishReason, SamplingParams
-from shared.serving.outcomes import CANCELLED, ERROR, OK, outcome_of_code
+from shared.serving.outcomes import CANCELLED, ERROR, OK, RETRY_AFTER_KEY, outcome_of_code
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +33,20 @@ class RouteError(Exception):
     """Ends the client's call with this status. The message goes to the client; where (the workers
     involved) only to the router's log: callers need not learn the deployment's addresses."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, where: str | None = None):
+    def __init__(self, code: grpc.StatusCode, message: str, where: str | None = None,
+                 retry_after_s: float | None = None):
+        """retry_after_s: when a retry may succeed (an overloaded tier); sent as the pods send it."""
         super().__init__(message)
         self.code = code
         self.message = message
         self.where = where
+        self.retry_after_s = retry_after_s
+
+    @property
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        if self.retry_after_s is None:
+            return ()
+        return ((RETRY_AFTER_KEY, str(max(1, round(self.retry_after_s * 1000)))),)
 
 
 class _Deadline:
@@ -126,7 +135,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             outcome = outcome_of_code(exc.code)
             if exc.where is not None:
                 logger.info("request %s ended with %s on %s: %s", request_id, exc.code.name, exc.where, exc.message)
-            await context.abort(exc.code, exc.message)
+            await context.abort(exc.code, exc.message, trailing_metadata=exc.trailing_metadata)
         except asyncio.CancelledError:
             outcome = CANCELLED
             raise
@@ -293,9 +302,11 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         if isinstance(last_error, Stalled):
             return RouteError(grpc.StatusCode.UNAVAILABLE, f"{attempts}: {last_error}", where)
         if last_error is not None:
-            return RouteError(last_error.code(), f"{attempts}: {last_error.details()}", where)
+            hint_s = retry_after_s(last_error) if last_error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+            return RouteError(last_error.code(), f"{attempts}: {last_error.details()}", where, hint_s)
         if reason is NoPick.ALL_OVERLOADED:
-            return RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"every {pool.tier} worker is overloaded")
+            return RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"every {pool.tier} worker is overloaded",
+                              retry_after_s=pool.retry_after_s())
         return RouteError(
             grpc.StatusCode.UNAVAILABLE, f"no healthy {pool.tier} worker ({len(pool.addresses)} known)",
             ", ".join(pool.addresses) or None,

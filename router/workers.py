@@ -221,6 +221,14 @@ class WorkerPool:
         else:
             worker.overloaded_until = time.monotonic() + for_s
 
+    def retry_after_s(self) -> float:
+        """When a worker of this tier that is overloaded now may take a call again: the soonest end of a
+        refusal's retry hint, else the next health poll (it refreshes the load the pods report)."""
+        now = time.monotonic()
+        ends = [w.overloaded_until - now for w in self._workers.values()
+                if w.overloaded_until is not None and w.overloaded_until > now]
+        return min(ends, default=self.config.health_interval_s)
+
     @contextlib.contextmanager
     def use(self, address: str) -> Iterator[Any]:
         """The worker's client, counted as in flight for the duration."""

@@ -258,3 +258,13 @@ def test_logit_bias_names_what_is_wrong():
         oai.sampling_params_from_openai({"logit_bias": {"x": 1}})
     with pytest.raises(InvalidRequest, match=r"logit_bias\[5\] must be a finite number"):
         oai.sampling_params_from_openai({"logit_bias": {"5": "x"}})
+
+
+def test_a_retry_hint_becomes_http_retry_after_in_whole_seconds():
+    from shared.serving.http_api import CallEnded, _ended_error
+    from shared.serving.outcomes import RETRY_AFTER_KEY
+    import grpc
+
+    answer = _ended_error(CallEnded(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", ((RETRY_AFTER_KEY, "1500"),)))
+    assert answer.status_code == 429 and answer.headers["retry-after"] == "2"
+    assert "retry-after" not in _ended_error(CallEnded(grpc.StatusCode.UNAVAILABLE, "down")).headers

@@ -20,6 +20,7 @@ from router.servicer import RouterServicer
 from shared.serving.text import TextCodec
 from router.workers import WorkerPool, resolve_dns
 from shared.serving import convert, wire
+from shared.serving.outcomes import RETRY_AFTER_KEY
 from shared.serving.grpc_server import GrpcServer, ServerOptions
 from shared.serving.prefill_client import PrefillClient
 from shared.engine.model.generation_config import GenerationDefaults
@@ -391,6 +392,9 @@ def test_overloaded_decode_tier_fails_before_prefill():
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "every decode worker is overloaded" in info.value.details()
         assert prefill.calls == []
+        # The client learns when to retry, as the pods tell the router (the HTTP front: Retry-After).
+        hint = dict(info.value.trailing_metadata())[RETRY_AFTER_KEY]
+        assert hint.isdigit() and int(hint) > 0
 
     run(scenario())
 
@@ -415,6 +419,7 @@ def test_decode_refusals_past_the_admit_timeout_end_with_resource_exhausted():
                 await cluster.generate([3], max_tokens=6)
             await cluster.servicer.drain()
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert RETRY_AFTER_KEY in dict(info.value.trailing_metadata())  # the pod's hint, passed on
         assert len(prefill.released) == 1  # the hold went back at once
 
     run(scenario())

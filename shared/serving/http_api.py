@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import socket
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from proto.pdserve.v1 import generate_pb2
 from shared.engine.request import FinishReason, TokenLogprobs
 from shared.serving import convert, openai_protocol as oai
 from shared.serving.chat_template import ChatTemplateError
-from shared.serving.outcomes import InvalidRequest, invalid_on_value_error
+from shared.serving.outcomes import RETRY_AFTER_KEY, InvalidRequest, invalid_on_value_error
 from shared.serving.settings import setting
 from shared.serving.telemetry import HttpTracingMiddleware
 from shared.serving.text import TextCodec
@@ -85,10 +86,19 @@ class HttpConfig:
 class CallEnded(grpc.aio.AbortError):
     """The in-process Generate call ended with a status (what context.abort sends over gRPC)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata=()):
         super().__init__(details)
         self.code = code
         self.details = details
+        self.trailing_metadata = tuple(trailing_metadata or ())
+
+    @property
+    def retry_after_header(self) -> dict[str, str]:
+        """HTTP's Retry-After (whole seconds, at least 1) from the servicer's retry hint, if it gave one."""
+        for key, value in self.trailing_metadata:
+            if key == RETRY_AFTER_KEY and value.isdigit():
+                return {"Retry-After": str(max(1, math.ceil(int(value) / 1000)))}
+        return {}
 
 
 class InProcessContext:
@@ -103,7 +113,7 @@ class InProcessContext:
         return None if self._deadline is None else max(0.0, self._deadline - self._loop.time())
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
-        raise CallEnded(code, details)
+        raise CallEnded(code, details, trailing_metadata)
 
     def add_done_callback(self, callback) -> None:
         """Not needed in process: a call here ends when its generator is closed, and the servicers'
@@ -119,13 +129,13 @@ class InProcessContext:
 Generate = Callable[[generate_pb2.GenerateRequest, InProcessContext], AsyncIterator[generate_pb2.GenerateResponse]]
 
 
-def _error(status: int, error_type: str, message: str) -> JSONResponse:
-    return JSONResponse(oai.error_object(message, error_type, status), status_code=status)
+def _error(status: int, error_type: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(oai.error_object(message, error_type, status), status_code=status, headers=headers)
 
 
 def _ended_error(ended: CallEnded) -> JSONResponse:
     status, error_type = _HTTP_OF_CODE.get(ended.code, _SERVER_ERROR)
-    return _error(status, error_type, ended.details)
+    return _error(status, error_type, ended.details, ended.retry_after_header)
 
 
 def _sse(payload: dict[str, Any]) -> str:
