@@ -6,6 +6,7 @@ hits, preemption, and n-gram speculation. Prefill logits match the reference wit
 """
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -200,3 +201,83 @@ def test_config_json_round_trip_and_variants():
     with pytest.raises(ValueError, match="rope_scaling"):
         yarn = {"rope_type": "yarn", "factor": 2.0}
         ModelArchConfig.from_hf_dict({**MODELS["llama"].to_hf_dict(), "rope_scaling": yarn})
+
+
+# ---- layer_types: which layers slide, per model type, as transformers computes it ------------------------
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+WINDOW = 8
+LAYER_PROMPTS = [PROMPTS[4], PROMPTS[6]]  # 31 and 70 tokens: both past the window
+
+# name -> (model_type, config.json fields over the saved ones, the layer types the engine must run).
+# Each is written as config.json and read back by both transformers and the engine.
+LAYER_TYPE_CASES = {
+    # transformers reads a Mistral config with layer_types as Ministral: the window on the listed layers only.
+    "mistral-full-then-sliding": ("mistral", {"sliding_window": WINDOW, "layer_types": [FULL, SLIDING]},
+                                  (FULL, SLIDING)),
+    "mistral-sliding-then-full": ("mistral", {"sliding_window": WINDOW, "layer_types": [SLIDING, FULL]},
+                                  (SLIDING, FULL)),
+    "mistral-all-full-with-window": ("mistral", {"sliding_window": WINDOW, "layer_types": [FULL, FULL]},
+                                     (FULL, FULL)),
+    "mistral-window-no-layer-types": ("mistral", {"sliding_window": WINDOW}, (SLIDING, SLIDING)),
+    # Llama's attention has no window: a window with only full layers changes nothing.
+    "llama-window-all-full": ("llama", {"sliding_window": WINDOW, "layer_types": [FULL, FULL]}, (FULL, FULL)),
+    "qwen3-layer-types": ("qwen3", {"use_sliding_window": True, "sliding_window": WINDOW,
+                                    "layer_types": [SLIDING, FULL]}, (SLIDING, FULL)),
+    "qwen2-max-window-layers": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW,
+                                          "max_window_layers": 1, "layer_types": None}, (FULL, SLIDING)),
+    # Without use_sliding_window Qwen2 ignores the window and the default layer types.
+    "qwen2-window-off": ("qwen2", {"use_sliding_window": False, "sliding_window": WINDOW, "max_window_layers": 0,
+                                   "layer_types": None}, (FULL, FULL)),
+}
+
+
+def _write_config(path, **changes) -> None:
+    """config.json with the fields changed (None removes one)."""
+    config = {**json.loads((path / "config.json").read_text()), **changes}
+    (path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+
+
+@pytest.mark.timeout(120, method="thread")
+@pytest.mark.parametrize("name", list(LAYER_TYPE_CASES))
+def test_layer_types_slide_the_layers_transformers_slides(tmp_path, name):
+    model_type, fields, expected = LAYER_TYPE_CASES[name]
+    save_pretrained(random_model(ModelArchConfig(model_type=model_type, num_layers=2, **SMALL), seed=5), tmp_path)
+    _write_config(tmp_path, **fields)
+    config = ModelArchConfig.from_json_file(tmp_path / "config.json")
+    assert config.layer_types == expected
+    assert config.sliding_window == (WINDOW if SLIDING in expected else None)
+    # What the engine writes back reads the same (a Mistral with mixed layers keeps its layer_types).
+    assert ModelArchConfig.from_hf_dict(config.to_hf_dict()).layer_types == expected
+    with one_torch_thread():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, attn_implementation="eager", dtype=torch.float32).eval()
+        references = [_hf_greedy(hf, p, 8) for p in LAYER_PROMPTS]
+    engine = _engine(tmp_path, {"max_num_batched_tokens": 16}, {})  # chunked prefill, too
+    outputs = engine.generate(LAYER_PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == references
+
+
+# config.json fields transformers fails on, or runs with full attention on prefill and the window on decode
+# (Llama: its cache keeps only the window, its attention has none): refused, naming the field.
+LAYER_TYPE_REFUSALS = {
+    "llama-window": ("llama", {"sliding_window": WINDOW}, "sliding_window 8 .* model_type llama"),
+    "llama-sliding-layer": ("llama", {"sliding_window": WINDOW, "layer_types": [FULL, SLIDING]},
+                            "not supported for model_type llama"),
+    "llama-sliding-layer-no-window": ("llama", {"layer_types": [FULL, SLIDING]},
+                                      "sliding_attention layers but sliding_window is absent or null"),
+    "qwen2-sliding-layer-window-off": ("qwen2", {"sliding_window": WINDOW, "layer_types": [FULL, SLIDING]},
+                                       "sliding_attention layers but use_sliding_window is false"),
+    "mistral-layer-types-no-window": ("mistral", {"sliding_window": None, "layer_types": [FULL, FULL]},
+                                      "layer_types needs a sliding_window"),
+    "layer-types-length": ("qwen3", {"use_sliding_window": True, "sliding_window": WINDOW,
+                                     "layer_types": [FULL]}, "layer_types has 1 entries for 2 layers"),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYER_TYPE_REFUSALS))
+def test_layer_types_transformers_cannot_run_consistently_are_refused(name):
+    model_type, fields, message = LAYER_TYPE_REFUSALS[name]
+    hf = {**ModelArchConfig(model_type=model_type, num_layers=2, **SMALL).to_hf_dict(), **fields}
+    with pytest.raises(ValueError, match=message):
+        ModelArchConfig.from_hf_dict(hf)

@@ -15,12 +15,12 @@ own field names) are merged over the file's defaults, or are the only ones under
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.engine.model.checkpoint_json import check_field_types, read_json_object
 from shared.engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,18 @@ OVERRIDABLE_FIELDS = ("max_new_tokens", "do_sample", "temperature", "top_p", "to
 # typical_p: SamplingParams has no such field; the penalties: vLLM does not default them either).
 _UNSUPPORTED_SAMPLING = ("min_p", "typical_p", "presence_penalty", "frequency_penalty")
 _MAX_TOKENS_NOTE = " (for requests that name none, within the model's length; not a cap)"
+# The JSON types of the fields read from a generation_config.json (or given as overrides).
+FIELD_TYPES: dict[str, tuple[str, ...]] = {
+    "max_new_tokens": ("integer", "null"),
+    "do_sample": ("boolean", "null"),
+    "temperature": ("number", "null"),
+    "top_p": ("number", "null"),
+    "top_k": ("integer", "null"),
+    "repetition_penalty": ("number", "null"),
+    "eos_token_id": ("integer", "array", "null"),
+}
+# top_k values that mean "no top-k filter": transformers' 0 and vLLM's -1 (SamplingParams' own is 0).
+_TOP_K_OFF = (0, -1)
 
 
 @dataclass(frozen=True)
@@ -74,7 +86,7 @@ def eos_ids(value: Any) -> tuple[int, ...]:
     """An eos_token_id field (None, one id or a list of ids) as a tuple."""
     if value is None:
         return ()
-    ids = (value,) if isinstance(value, int) else tuple(value)
+    ids = tuple(value) if isinstance(value, (list, tuple)) else (value,)
     for token_id in ids:
         if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
             raise ValueError(f"eos_token_id entries must be non-negative integers, got {value!r}")
@@ -98,6 +110,10 @@ def generation_defaults(config_eos_token_ids: tuple[int, ...], model_dir: Path |
     else:
         recommended = _read_generation_config(Path(mode))
         ids += eos_ids(recommended.get("eos_token_id"))
+    ignored = [name for name in _UNSUPPORTED_SAMPLING if recommended.get(name) not in (None, 1.0, 0.0)]
+    if ignored:
+        logger.warning("%s recommends %s, which requests do not take from it; they sample without them",
+                       GENERATION_CONFIG_FILE, ", ".join(f"{n}={recommended[n]}" for n in ignored))
     sampling = _sampling_defaults({**recommended, **overrides})
     return GenerationDefaults(eos_token_ids=tuple(dict.fromkeys(ids)), sampling=sampling)
 
@@ -117,33 +133,44 @@ def check_generation_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"generation config overrides: {', '.join(unknown)} cannot be set (the fields "
                          f"requests take defaults from: {', '.join(OVERRIDABLE_FIELDS)})")
-    try:
-        _sampling_defaults(overrides)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"generation config overrides {overrides}: {exc}") from None
+    _check_sampling(overrides, f"generation config overrides {overrides}")
     return overrides
 
 
 def _read_generation_config(folder: Path | None) -> dict[str, Any]:
+    """The file's fields, checked: an error names the file and the field."""
     if folder is None or not (folder / GENERATION_CONFIG_FILE).is_file():
         return {}
-    with (folder / GENERATION_CONFIG_FILE).open() as f:
-        return json.load(f)
+    path = folder / GENERATION_CONFIG_FILE
+    generation = read_json_object(path)
+    _check_sampling(generation, str(path))
+    return generation
+
+
+def _check_sampling(generation: dict[str, Any], source: str) -> None:
+    """ValueError naming source and the field when a value has the wrong type or is out of range."""
+    check_field_types(generation, FIELD_TYPES, source)
+    # transformers' GenerationConfig refuses these too, so the checkpoint cannot run as it recommends.
+    if generation.get("max_new_tokens") is not None and generation["max_new_tokens"] < 1:
+        raise ValueError(f"{source}: max_new_tokens must be >= 1, got {generation['max_new_tokens']}")
+    try:
+        eos_ids(generation.get("eos_token_id"))
+        _sampling_defaults(generation)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
 
 
 def _sampling_defaults(generation: dict[str, Any]) -> dict[str, Any]:
     defaults: dict[str, Any] = {}
     if generation.get("max_new_tokens") is not None:
         defaults["max_tokens"] = int(generation["max_new_tokens"])
-    ignored = [name for name in _UNSUPPORTED_SAMPLING if generation.get(name) not in (None, 1.0, 0.0)]
-    if ignored:
-        logger.warning("%s recommends %s, which requests do not take from it; they sample without them",
-                       GENERATION_CONFIG_FILE, ", ".join(f"{n}={generation[n]}" for n in ignored))
     names = ("repetition_penalty",) if generation.get("do_sample") is False else (
         "repetition_penalty", "temperature", "top_p", "top_k")
     for name in names:
         if generation.get(name) is not None:
             defaults[name] = int(generation[name]) if name == "top_k" else float(generation[name])
+    if defaults.get("top_k") in _TOP_K_OFF:
+        del defaults["top_k"]  # no filter: a request's unset top_k keeps its own (0, off)
     if generation.get("do_sample") is False:
         defaults["temperature"] = 0.0  # greedy, whatever temperature the file also names
     SamplingParams(**defaults)  # a value out of range fails at load, not on the first request

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from shared.engine.model.checkpoint_json import read_json_object
 from shared.engine.model.generation_config import GENERATION_CONFIG_AUTO, GenerationDefaults, generation_defaults
 from shared.engine.model.model_config import LARGE_PRESETS, PRESETS, ModelArchConfig, preset
 from shared.engine.model.llama import LlamaModel
@@ -147,75 +148,125 @@ def to_hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
 _DERIVED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def load_hf_weights(model: LlamaModel, weights: dict[str, torch.Tensor]) -> None:
-    taken: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in weights:
-            raise ValueError(f"checkpoint is missing weight {name!r}")
-        taken.add(name)
-        return weights[name]
-
-    def put(dest: torch.Tensor, src: torch.Tensor, name: str) -> None:
-        if dest.shape != src.shape:
-            raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, expected {tuple(dest.shape)}")
-        dest.copy_(src)
-
-    with torch.no_grad():
-        put(model.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
-        put(model.norm.weight, take("model.norm.weight"), "model.norm.weight")
-        if model.lm_head is not None:
-            put(model.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
-        for i, layer in enumerate(model.layers):
-            p = f"model.layers.{i}."
-            qkv = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
-            put(layer.qkv_proj.weight, qkv, p + "self_attn.qkv_proj.weight")
-            if layer.qkv_proj.bias is not None:
-                bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
-                put(layer.qkv_proj.bias, bias, p + "self_attn.qkv_proj.bias")
-            put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
-            if layer.o_proj.bias is not None:
-                put(layer.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
-            if layer.q_norm is not None:
-                put(layer.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
-                put(layer.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            put(layer.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
-            put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
-            if layer.gate_up_proj.bias is not None:
-                gate_up_bias = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
-                put(layer.gate_up_proj.bias, gate_up_bias, p + "mlp.gate_up_proj.bias")
-                put(layer.down_proj.bias, take(p + "mlp.down_proj.bias"), p + "mlp.down_proj.bias")
-            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
-            put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"),
-                p + "post_attention_layernorm.weight")
-    _refuse_unused(weights, taken, tied=model.lm_head is None)
+def hf_weight_shapes(config: ModelArchConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight a checkpoint of this config holds, by its Hugging Face name, with its shape."""
+    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        layer = {
+            "self_attn.q_proj.weight": (q_size, hidden), "self_attn.k_proj.weight": (kv_size, hidden),
+            "self_attn.v_proj.weight": (kv_size, hidden), "self_attn.o_proj.weight": (hidden, q_size),
+            "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+            "mlp.down_proj.weight": (hidden, inter),
+            "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+        }
+        if config.attention_bias:
+            layer.update({"self_attn.q_proj.bias": (q_size,), "self_attn.k_proj.bias": (kv_size,),
+                          "self_attn.v_proj.bias": (kv_size,)})
+        if config.o_proj_bias:
+            layer["self_attn.o_proj.bias"] = (hidden,)
+        if config.qk_norm:
+            layer.update({"self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,)})
+        if config.mlp_bias:
+            layer.update({"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,), "mlp.down_proj.bias": (hidden,)})
+        shapes.update({p + name: shape for name, shape in layer.items()})
+    return shapes
 
 
-def _refuse_unused(weights: dict[str, torch.Tensor], taken: set[str], tied: bool) -> None:
-    """A weight the config does not account for (a bias with attention_bias false, say) would be dropped
-    and the output silently differ: refuse the checkpoint instead."""
-    unused = sorted(name for name in weights if name not in taken and not name.endswith(_DERIVED_WEIGHT_SUFFIXES)
-                    and not (tied and name == "lm_head.weight"))
+def check_hf_weights(config: ModelArchConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Refuses, by name, a missing weight, one whose shape the config does not give (before any fusing,
+    where a short k_proj and a long v_proj would add up to the right q|k|v), and one the config does not
+    account for (a bias with attention_bias false, say: dropping it would silently change the output)."""
+    expected = hf_weight_shapes(config)
+    missing = [name for name in expected if name not in weights]
+    if missing:
+        raise ValueError(f"checkpoint is missing weight {missing[0]!r}"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise ValueError(f"weight {name!r} has shape {tuple(weights[name].shape)}, expected {shape} "
+                             f"from config.json")
+    unused = sorted(name for name in weights if name not in expected and not name.endswith(_DERIVED_WEIGHT_SUFFIXES)
+                    and not (config.tie_word_embeddings and name == "lm_head.weight"))
     if unused:
         more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
         raise ValueError(f"checkpoint has weights config.json does not account for: {unused[:5]}{more}")
 
 
+def load_hf_weights(model: LlamaModel, weights: dict[str, torch.Tensor]) -> None:
+    """Copies a checkpoint's weights (checked first, see check_hf_weights) into our fused layout."""
+    check_hf_weights(model.config, weights)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(weights["model.embed_tokens.weight"])
+        model.norm.weight.copy_(weights["model.norm.weight"])
+        if model.lm_head is not None:
+            model.lm_head.weight.copy_(weights["lm_head.weight"])
+        for i, layer in enumerate(model.layers):
+            p = f"model.layers.{i}."
+
+            def w(name: str) -> torch.Tensor:
+                return weights[p + name]
+
+            layer.qkv_proj.weight.copy_(torch.cat([w(f"self_attn.{x}_proj.weight") for x in "qkv"]))
+            if layer.qkv_proj.bias is not None:
+                layer.qkv_proj.bias.copy_(torch.cat([w(f"self_attn.{x}_proj.bias") for x in "qkv"]))
+            layer.o_proj.weight.copy_(w("self_attn.o_proj.weight"))
+            if layer.o_proj.bias is not None:
+                layer.o_proj.bias.copy_(w("self_attn.o_proj.bias"))
+            if layer.q_norm is not None:
+                layer.q_norm.weight.copy_(w("self_attn.q_norm.weight"))
+                layer.k_norm.weight.copy_(w("self_attn.k_norm.weight"))
+            layer.gate_up_proj.weight.copy_(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
+            layer.down_proj.weight.copy_(w("mlp.down_proj.weight"))
+            if layer.gate_up_proj.bias is not None:
+                layer.gate_up_proj.bias.copy_(torch.cat([w("mlp.gate_proj.bias"), w("mlp.up_proj.bias")]))
+                layer.down_proj.bias.copy_(w("mlp.down_proj.bias"))
+            layer.input_layernorm.weight.copy_(w("input_layernorm.weight"))
+            layer.post_attention_layernorm.weight.copy_(w("post_attention_layernorm.weight"))
+
+
+# transformers' names, in the order from_pretrained looks for them: one file, else the index of shards.
+SAFE_WEIGHTS_FILE = "model.safetensors"
+SAFE_WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+
+def safetensors_files(path: Path) -> list[str]:
+    """The files transformers' from_pretrained reads: model.safetensors when present, else exactly those the
+    index's weight_map names. Any other *.safetensors (a consolidated.safetensors beside them, say) is not
+    part of the model. With neither file, every *.safetensors, as vLLM loads such a folder (transformers
+    would refuse it)."""
+    if (path / SAFE_WEIGHTS_FILE).is_file():
+        return [SAFE_WEIGHTS_FILE]
+    index_file = path / SAFE_WEIGHTS_INDEX_FILE
+    if not index_file.is_file():
+        present = sorted(p.name for p in path.glob("*.safetensors"))
+        if not present:
+            raise ValueError(f"{path} has no *.safetensors files (neither {SAFE_WEIGHTS_FILE} nor "
+                             f"{SAFE_WEIGHTS_INDEX_FILE} with its shards)")
+        return present
+    weight_map = read_json_object(index_file).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index_file} has no weight_map naming the weight files")
+    files = sorted(set(weight_map.values()))
+    absent = [name for name in files if not isinstance(name, str) or not (path / name).is_file()]
+    if absent:
+        raise ValueError(f"{index_file} names weight files {absent} that {path} does not hold")
+    return files
+
+
 def _read_safetensors(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    index_file = path / "model.safetensors.index.json"
-    if index_file.is_file():
-        with index_file.open() as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{path} has no *.safetensors files")
     weights: dict[str, torch.Tensor] = {}
-    for file_name in files:
+    origin: dict[str, str] = {}
+    for file_name in safetensors_files(path):
         with safe_open(str(path / file_name), framework="pt") as f:
             for name in f.keys():
-                weights[name] = f.get_tensor(name).to(dtype)
+                if name in weights:
+                    raise ValueError(f"weight {name!r} is in both {origin[name]} and {file_name} of {path}")
+                weights[name], origin[name] = f.get_tensor(name).to(dtype), file_name
     return weights
 
 
@@ -230,7 +281,7 @@ def save_pretrained(loaded_or_model: LoadedModel | LlamaModel, path: str | Path,
     state = to_hf_state_dict(model)
     shards = _shard(state, max_shard_bytes)
     if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+        save_file(shards[0], str(path / SAFE_WEIGHTS_FILE), metadata={"format": "pt"})
         return path
     weight_map = {}
     for n, shard in enumerate(shards, start=1):
@@ -238,7 +289,7 @@ def save_pretrained(loaded_or_model: LoadedModel | LlamaModel, path: str | Path,
         save_file(shard, str(path / file_name), metadata={"format": "pt"})
         weight_map.update({name: file_name for name in shard})
     total = sum(t.numel() * t.element_size() for t in state.values())
-    with (path / "model.safetensors.index.json").open("w") as f:
+    with (path / SAFE_WEIGHTS_INDEX_FILE).open("w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     return path
 

@@ -5,13 +5,13 @@ The presets ("tiny", "100m", "llama3-8b") are the built-in random-weight models;
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from shared.engine.model.checkpoint_json import check_field_types, read_json_object
 from shared.engine.model.fidelity import SUPPORTED_MODEL_TYPES, check_fidelity
 from shared.engine.model.generation_config import eos_ids
 
@@ -22,8 +22,46 @@ DEFAULT_PRESET = "tiny"
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM"}
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
-# Where transformers' default differs by model type when config.json leaves sliding_window out.
-_DEFAULT_SLIDING_WINDOW = {"mistral": 4096}
+# transformers' sliding_window when config.json leaves it out (LlamaConfig has no such field).
+_DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "qwen2": 4096, "qwen3": 4096}
+# Qwen2/Qwen3 slide only with use_sliding_window, and then (without layer_types) the layers from
+# max_window_layers on; Llama and Mistral slide every layer when they have a window.
+_USE_SLIDING_WINDOW_TYPES = ("qwen2", "qwen3")
+_DEFAULT_MAX_WINDOW_LAYERS = 28
+
+# The JSON types of the config.json fields the engine reads ("null": transformers' default applies). A
+# value of another type is refused by name: tie_word_embeddings "false" would otherwise read as true.
+CONFIG_FIELD_TYPES: dict[str, tuple[str, ...]] = {
+    "model_type": ("string",),
+    "hidden_act": ("string",),
+    "torch_dtype": ("string", "null"),
+    "dtype": ("string", "null"),
+    "vocab_size": ("integer",),
+    "hidden_size": ("integer",),
+    "intermediate_size": ("integer",),
+    "num_hidden_layers": ("integer",),
+    "num_attention_heads": ("integer",),
+    "num_key_value_heads": ("integer", "null"),
+    "head_dim": ("integer", "null"),
+    "max_position_embeddings": ("integer",),
+    "rms_norm_eps": ("number",),
+    "rope_theta": ("number",),
+    "rope_scaling": ("object", "null"),
+    "rope_parameters": ("object", "null"),
+    "partial_rotary_factor": ("number", "null"),
+    "tie_word_embeddings": ("boolean",),
+    "attention_bias": ("boolean",),
+    "mlp_bias": ("boolean",),
+    "use_sliding_window": ("boolean",),
+    "sliding_window": ("integer", "null"),
+    "max_window_layers": ("integer",),
+    "layer_types": ("array", "null"),
+    "bos_token_id": ("integer", "null"),
+    "eos_token_id": ("integer", "array", "null"),
+}
+# Fields without a default the engine could trust: the weights' shapes follow from them.
+_REQUIRED_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")
 
 
 @dataclass(frozen=True)
@@ -95,6 +133,13 @@ class ModelArchConfig:
                 raise ValueError(f"unsupported layer type {kind!r} (supported: {FULL_ATTENTION}, {SLIDING_ATTENTION})")
         if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.model_type == "llama" and SLIDING_ATTENTION in self.layer_types:
+            # transformers' Llama attention has no window, yet its generate() cache keeps only the last
+            # sliding_window keys of such layers: prefill sees every key, decode the window. No attention
+            # gives its tokens, so the checkpoint is refused rather than run differently.
+            raise ValueError(f"sliding_window {self.sliding_window} with sliding_attention layers (layer_types "
+                             f"{list(self.layer_types)}) is not supported for model_type llama: transformers' "
+                             f"Llama attends to every key on prefill but only the window on decode")
 
     def layer_sliding_window(self, layer: int) -> int | None:
         """The window of that layer's attention, or None for full attention."""
@@ -129,6 +174,10 @@ class ModelArchConfig:
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], name: str = "custom", dtype: str | None = None) -> "ModelArchConfig":
         """dtype: "float32" or "bfloat16"; None takes the checkpoint's own (float16 runs as float32)."""
+        check_field_types(hf, CONFIG_FIELD_TYPES, "config.json")
+        missing = [name for name in _REQUIRED_FIELDS if name not in hf]
+        if missing:
+            raise ValueError(f"config.json has no {', '.join(missing)}")
         check_fidelity(hf)
         model_type = hf["model_type"]
         rope_theta, rope_scaling = _parse_rope(hf)
@@ -148,10 +197,10 @@ class ModelArchConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
             # Qwen2 always carries q/k/v biases and Mistral never; Llama and Qwen3 when attention_bias says so.
-            attention_bias=bool(hf.get("attention_bias", False)),
-            mlp_bias=bool(hf.get("mlp_bias", False)) and model_type == "llama",
+            attention_bias=hf.get("attention_bias", False),
+            mlp_bias=hf.get("mlp_bias", False) and model_type == "llama",
             sliding_window=sliding_window,
             layer_types=layer_types,
             bos_token_id=hf.get("bos_token_id"),
@@ -163,8 +212,7 @@ class ModelArchConfig:
     @classmethod
     def from_json_file(cls, path: str | Path, dtype: str | None = None) -> "ModelArchConfig":
         path = Path(path)
-        with path.open() as f:
-            return cls.from_hf_dict(json.load(f), name=path.parent.name, dtype=dtype)
+        return cls.from_hf_dict(read_json_object(path), name=path.parent.name, dtype=dtype)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json that transformers (v4 and v5) reads back into the same architecture."""
@@ -195,6 +243,8 @@ class ModelArchConfig:
             hf["mlp_bias"] = self.mlp_bias
         if self.model_type == "mistral":
             hf["sliding_window"] = self.sliding_window
+            if len(set(self.layer_types)) > 1:
+                hf["layer_types"] = list(self.layer_types)  # transformers then reads it as Ministral: per layer
         if self.model_type in ("qwen2", "qwen3"):
             hf["use_sliding_window"] = self.sliding_window is not None
             hf["sliding_window"] = self.sliding_window
@@ -203,24 +253,34 @@ class ModelArchConfig:
         return hf
 
 
-def _parse_sliding_window(hf: dict[str, Any]) -> tuple[int | None, tuple[str, ...] | None]:
-    """(window, layer types) the way transformers reads them: Mistral windows every layer (4096 when the
-    field is absent); Qwen2 and Qwen3 only with use_sliding_window, on layers from max_window_layers on
-    unless layer_types lists them; Llama has no window."""
-    model_type = hf["model_type"]
-    if model_type == "llama":
-        return None, None
+def _parse_sliding_window(hf: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
+    """(window, layer types) as transformers computes them, one rule for every model type: a layer slides
+    when its layer_types entry is sliding_attention. Without layer_types transformers derives the entries:
+    Qwen2/Qwen3 slide the layers from max_window_layers on, the others every layer, and only where there is
+    a window (sliding_window, which Qwen2/Qwen3 drop without use_sliding_window). Combinations transformers
+    crashes on are refused here; Llama's sliding layers, which it runs inconsistently, by ModelArchConfig."""
+    model_type, num_layers = hf["model_type"], hf["num_hidden_layers"]
     window = hf.get("sliding_window", _DEFAULT_SLIDING_WINDOW.get(model_type))
-    if model_type == "mistral":
-        return (int(window) if window else None), None
-    if not hf.get("use_sliding_window", False) or not window:
-        return None, (FULL_ATTENTION,) * hf["num_hidden_layers"]
+    if model_type in _USE_SLIDING_WINDOW_TYPES and not hf.get("use_sliding_window", False):
+        window = None
     layer_types = hf.get("layer_types")
     if layer_types is None:
-        first_sliding = hf.get("max_window_layers", 28)
-        layer_types = [SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION
-                       for i in range(hf["num_hidden_layers"])]
-    return int(window), tuple(layer_types)
+        first_sliding = hf.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS) \
+            if model_type in _USE_SLIDING_WINDOW_TYPES else 0
+        layer_types = [SLIDING_ATTENTION if window is not None and i >= first_sliding else FULL_ATTENTION
+                       for i in range(num_layers)]
+    if SLIDING_ATTENTION in layer_types and window is None:
+        off = ("use_sliding_window is false" if model_type in _USE_SLIDING_WINDOW_TYPES
+               and not hf.get("use_sliding_window", False) else "sliding_window is absent or null")
+        raise ValueError(f"layer_types has sliding_attention layers but {off}: transformers has no window "
+                         f"for them (and fails on this config)")
+    if model_type == "mistral" and "layer_types" in hf and window is None:
+        # transformers reads a Mistral config with layer_types as Ministral, whose masks need a window.
+        raise ValueError("a mistral config.json with layer_types needs a sliding_window (transformers, reading "
+                         "it as Ministral, fails without one)")
+    if SLIDING_ATTENTION not in layer_types:
+        window = None  # no layer uses it (transformers' Llama attention, for one, never does)
+    return window, tuple(layer_types)
 
 
 def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
