@@ -38,6 +38,7 @@ class KvSourceCache:
         self._probe_port_range = probe_port_range
         self._probe: TransportProbe | None = None
         self._transports: dict[str, str] = {}
+        self._checked_engines: set[str] = set()  # probed with a conclusive result (or being probed now)
         self.on_probe_failure: Callable[[ProbeResult], None] | None = None  # set by the servicer (metrics)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._sources: dict[str, KvSource] = {}
@@ -61,9 +62,18 @@ class KvSourceCache:
         return PrefillClient(channel, self._config)
 
     async def get(self, handle: KvHandle) -> KvSource:
-        cached = self._sources.get(handle.engine_id)
-        if cached is not None:
-            return cached
+        source = self._sources.get(handle.engine_id)
+        if source is None:
+            source = await self._describe(handle)
+        if self._probe_port_range is not None and handle.engine_id not in self._checked_engines:
+            # Before the pull, while prefill holds this request's blocks: only then does its engine loop
+            # drive UCX, which a READ over TCP needs from the side being read. Once per engine; a blocked
+            # path costs this request the probe's timeout.
+            self._checked_engines.add(handle.engine_id)
+            await self._check_transport(handle, source)
+        return source
+
+    async def _describe(self, handle: KvHandle) -> KvSource:
         try:
             described = await self._client(handle.source_address).get_kv_source()
         except (grpc.aio.AioRpcError, ValueError) as exc:
@@ -73,12 +83,7 @@ class KvSourceCache:
                 f"{handle.source_address} now runs engine {described.engine_id}, not {handle.engine_id}"
             )
         self._sources[handle.engine_id] = described.source
-        if self._probe_port_range is not None and handle.engine_id not in self._transports:
-            self._transports[handle.engine_id] = derive_transport(described.source, handle.source_address)
-            # Before the pull, while prefill holds this request's blocks: only then does its engine loop
-            # drive UCX, which a READ over TCP needs from the side being read. Once per engine; a blocked
-            # path costs this request the probe's timeout.
-            await self._check_transport(handle, described.source)
+        self._transports[handle.engine_id] = derive_transport(described.source, handle.source_address)
         return described.source
 
     def transport_of(self, handle: KvHandle) -> str:
@@ -99,8 +104,24 @@ class KvSourceCache:
             self._probe = await loop.run_in_executor(None, TransportProbe, self._probe_port_range)
         result = await loop.run_in_executor(None, self._probe.probe, source, handle.source_address,
                                             self._transports[handle.engine_id])
+        if not result.is_ok and not await self._answers(handle.source_address):
+            # A frozen or stopping pod does not serve READs either: that says nothing of the transport.
+            logger.warning("KV transport check to prefill engine %s at %s inconclusive: the pod answers neither "
+                           "the READ (%s) nor gRPC; checked again at the next request from it",
+                           source.agent_name, handle.source_address, result.error)
+            self._checked_engines.discard(handle.engine_id)
+            return
+        TransportProbe.report(result, source)
         if not result.is_ok and self.on_probe_failure is not None:
             self.on_probe_failure(result)
+
+    async def _answers(self, address: str) -> bool:
+        """Whether the prefill pod at address answers a gRPC call now."""
+        try:
+            await self._client(address).get_kv_source()
+            return True
+        except (grpc.aio.AioRpcError, ValueError):
+            return False
 
     def release_from_engine_thread(
         self, loop: asyncio.AbstractEventLoop, handle: KvHandle, request_id: str, prompt_digest: bytes

@@ -87,17 +87,20 @@ class TransportProbe:
         """One READ from the source's first block; transport is what derive_transport() said (for the log)."""
         with self._lock:
             error = self._read(source)
-        result = ProbeResult(peer_address, transport, self.port_range, error)
-        if error is not None:
-            logger.error(
-                "KV transport check FAILED: a %d-byte NIXL READ from prefill engine %s at %s (UCX transport %s, "
-                "KV port range %s) did not deliver: %s. Pulls from it will fail and decode will recompute "
-                "prompts; check that the KV port range is open between the pods (NetworkPolicy, firewall)",
-                PROBE_BYTES, source.agent_name, peer_address, transport, self.port_range, error)
-        else:
+        return ProbeResult(peer_address, transport, self.port_range, error)
+
+    @staticmethod
+    def report(result: ProbeResult, source: KvSource) -> None:
+        """Log a conclusive result: passed, or FAILED with what to check."""
+        if result.is_ok:
             logger.info("KV transport check passed: prefill engine %s at %s reads over UCX %s",
-                        source.agent_name, peer_address, transport)
-        return result
+                        source.agent_name, result.peer_address, result.transport)
+            return
+        logger.error(
+            "KV transport check FAILED: a %d-byte NIXL READ from prefill engine %s at %s (UCX transport %s, "
+            "KV port range %s) did not deliver: %s. Pulls from it will fail and decode will recompute "
+            "prompts; check that the KV port range is open between the pods (NetworkPolicy, firewall)",
+            PROBE_BYTES, source.agent_name, result.peer_address, result.transport, result.port_range, result.error)
 
     def _read(self, source: KvSource) -> str | None:
         region = source.regions[0]

@@ -8,9 +8,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from decode_svc.transport_probe import derive_transport
+from decode_svc.kv_sources import KvSourceCache
+from decode_svc.transport_probe import ProbeResult, derive_transport
 from proto.pdserve.v1 import generate_pb2_grpc
-from shared.engine.kv_transfer.handle import KvRegion, KvSource
+from shared.engine.kv_transfer.handle import KvHandle, KvLayout, KvRegion, KvSource
 from shared.serving.grpc_server import LIVENESS_SERVICE, GrpcServer, ServerOptions
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -86,3 +87,45 @@ def test_transport_of_a_local_peer_is_shared_memory():
 def test_transport_between_hosts_is_tcp_without_rdma(monkeypatch):
     monkeypatch.setenv("UCX_TLS", "tcp,self,sm")
     assert derive_transport(_source(), "198.51.100.7:50061") == "tcp"  # TEST-NET-2: no host of ours
+
+
+class _FailingProbe:
+    """A probe whose READ never delivers (as from a frozen peer, or through a closed port range)."""
+
+    def __init__(self):
+        self.num_probes = 0
+
+    def probe(self, source, peer_address, transport):
+        self.num_probes += 1
+        return ProbeResult(peer_address, transport, "20000-20099", "no answer within 5 s")
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("peer_answers_grpc, counted", [(False, 0), (True, 1)])
+def test_a_probe_read_that_fails_counts_only_when_the_peer_is_alive(peer_answers_grpc, counted):
+    # A frozen prefill pod serves neither READs nor gRPC: that is no transport failure, and the engine is
+    # probed again next time. A pod that answers gRPC but not the READ has a blocked KV path.
+    async def scenario():
+        sources = KvSourceCache(probe_port_range="20000-20099")
+        sources._probe = probe = _FailingProbe()
+        failures = []
+        sources.on_probe_failure = failures.append
+
+        async def describe(handle):
+            sources._sources[handle.engine_id] = _source()
+            sources._transports[handle.engine_id] = "tcp"
+            return _source()
+
+        async def answers(address):
+            return peer_answers_grpc
+
+        sources._describe, sources._answers = describe, answers
+        handle = KvHandle("engine-1", "198.51.100.7:50061", (1,), 16, 16, KvLayout("tiny", "float32", 2, 2, 8, 16), 0)
+        for _ in range(2):
+            await sources.get(handle)
+        await sources.close()
+        return len(failures), probe.num_probes
+
+    assert asyncio.run(scenario()) == (counted, 2 if not peer_answers_grpc else 1)
