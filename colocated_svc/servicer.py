@@ -11,8 +11,9 @@ import grpc
 from proto.pdserve.v1 import generate_pb2_grpc
 from shared.serving import convert, fan_out
 from shared.serving.metrics import ServiceMetrics
-from shared.serving.outcomes import InvalidRequest, PodUnavailable, invalid_on_value_error
+from shared.serving.outcomes import CallError, InvalidRequest, PodUnavailable, invalid_on_value_error
 from shared.serving.pod_server import PodServicer
+from shared.serving.pod_call import refuse
 from shared.engine.request import FinishReason, Request, SamplingParams
 from shared.serving.output_text import OutputText
 from shared.serving.telemetry import SpanAttr
@@ -46,6 +47,11 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
             async for chunk in self._complete(request, context, request_id, sampling, 0):
                 yield chunk
             return
+        pod = await self.admit(context)
+        try:
+            pod.check_room(sampling.n)  # the completions run together or not at all
+        except CallError as exc:
+            await refuse(self, context, exc)
         children = lambda index: self._complete(  # noqa: E731
             request, context, request_id, fan_out.child_params(sampling, index), index
         )

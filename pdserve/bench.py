@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 
 from pdserve.bench_openai import CallFailed, OpenAiBenchClient
+from pdserve.connection import add_connection_flags, connection_from_args
 from pdserve.bench_stats import RequestRecord, Slo, build_report, markdown_table, request_rows, token_timeline
 from pdserve.client import AsyncPdserveClient
 from pdserve.launcher import DEFAULT_PORTS
@@ -189,19 +190,21 @@ DEFAULT_TARGETS = {
 }
 
 
-def bench_client(backend: str, target: str):
-    """grpc: the Generate RPC at host:port; openai: the HTTP API's /v1/completions under a base URL."""
+def bench_client(backend: str, target: str, connection: dict | None = None):
+    """grpc: the Generate RPC at host:port; openai: the HTTP API's /v1/completions under a base URL.
+    connection: the tls and api_token the server asks for (connection_from_args)."""
+    connection = connection or {}
     if backend == "openai":
-        return OpenAiBenchClient(target)
-    return AsyncPdserveClient(target)
+        return OpenAiBenchClient(target, api_token=connection.get("api_token"))
+    return AsyncPdserveClient(target, **connection)
 
 
 async def run_benchmark(target: str, config: WorkloadConfig, *, slo: Slo = Slo(), label: str = "bench",
                         request_timeout_s: float | None = None, num_warmups: int = 1,
-                        progress: bool = True, backend: str = "grpc") -> dict[str, Any]:
+                        progress: bool = True, backend: str = "grpc", connection: dict | None = None) -> dict[str, Any]:
     """Warm up, run the workload, and return the full report (figures, workload, per-request rows)."""
     requests = generate_workload(config)
-    async with bench_client(backend, target) as client:
+    async with bench_client(backend, target, connection) as client:
         await warm_up(client, config, num_warmups, request_timeout_s)
         load_before = os.getloadavg()  # other work on the machine skews the figures: keep the evidence
         records, duration = await run_workload(
@@ -301,6 +304,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     add_workload_flags(parser)
     parser.add_argument("--out-dir", type=Path, default=Path("out/bench"), help="where JSON and plots go")
     parser.add_argument("--label", default=None, help="run name (file names, legends); default bench-rate<R>")
+    add_connection_flags(parser)
     return parser
 
 
@@ -328,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = workload_from_args(args, args.rate)
         slo = slo_from_args(args)
+        connection = connection_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
     label = args.label or f"bench-rate{config.to_json()['rate']}"
@@ -335,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         report = asyncio.run(run_benchmark(
             args.target or DEFAULT_TARGETS[args.backend], config, slo=slo, label=label,
             request_timeout_s=args.request_timeout_s, num_warmups=args.num_warmups, backend=args.backend,
+            connection=connection,
         ))
     except RuntimeError as exc:
         print(f"pdserve bench: {exc}", file=sys.stderr)

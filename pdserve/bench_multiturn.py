@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.bench import FIRST_PROMPT_TOKEN_ID
 from pdserve.bench_stats import summarize, token_timeline
 from pdserve.client import AsyncPdserveClient
+from pdserve.connection import add_connection_flags, connection_from_args
 
 # Pods refresh their prefix-cache counters every 0.5 s (GAUGE_INTERVAL_S): wait this long after a
 # wave before reading them (not counted in any figure).
@@ -112,14 +113,16 @@ async def _ask(client: AsyncPdserveClient, prompt: list[int], config: MultiTurnC
 
 
 async def run_multi_turn(target: str, config: MultiTurnConfig, metrics_urls: Sequence[str], *,
-                         label: str = "multi-turn", timeout_s: float = 600.0) -> dict[str, Any]:
-    """Runs every conversation turn by turn; returns the report (per turn and overall)."""
+                         label: str = "multi-turn", timeout_s: float = 600.0,
+                         connection: dict | None = None) -> dict[str, Any]:
+    """Runs every conversation turn by turn; returns the report (per turn and overall). connection: the
+    tls and api_token the server asks for (connection_from_args)."""
     script = write_script(config)
     histories = [list(script.system_prompt) for _ in range(config.num_conversations)]
     turns: list[dict[str, Any]] = []
     busy_s = 0.0
     run_id = time.time_ns()
-    async with AsyncPdserveClient(target) as client:
+    async with AsyncPdserveClient(target, **(connection or {})) as client:
         for k in range(config.num_turns):
             before = scrape(metrics_urls)
             started = time.perf_counter()
@@ -199,6 +202,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--label", default="multi-turn")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
+    add_connection_flags(parser)
     return parser
 
 
@@ -211,9 +215,11 @@ def main(argv: list[str] | None = None) -> int:
             system_prompt_len=args.system_prompt_len, user_len=args.user_len, output_len=args.output_len,
             think_time_s=args.think_time_s, vocab_size=args.vocab_size, seed=args.seed,
         )
+        connection = connection_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    report = asyncio.run(run_multi_turn(args.target, config, args.metrics_url, label=args.label))
+    report = asyncio.run(run_multi_turn(args.target, config, args.metrics_url, label=args.label,
+                                        connection=connection))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))

@@ -28,14 +28,15 @@ class StreamedChunk:
 class OpenAiBenchClient:
     """`async with OpenAiBenchClient("http://127.0.0.1:8000/v1") as client: client.generate(...)`."""
 
-    def __init__(self, base_url: str, model: str | None = None):
+    def __init__(self, base_url: str, model: str | None = None, api_token: str | None = None):
         self._url = base_url.rstrip("/") + "/completions"
         self._model = model
+        self._headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
         self._http: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "OpenAiBenchClient":
         # One pooled connection per request in flight, like the gRPC channel's streams.
-        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=self._headers)
         return self
 
     async def __aexit__(self, *exc) -> None:

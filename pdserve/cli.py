@@ -131,22 +131,16 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
     """TLS files and the bearer token, for a router that asks for them (the services' own flags)."""
-    from shared.serving.api_auth import ApiAuthConfig
-    from shared.serving.settings import add_flags
-    from shared.serving.tls import TlsConfig
+    from pdserve.connection import add_connection_flags
 
-    add_flags(parser, TlsConfig)
-    add_flags(parser, ApiAuthConfig)
+    add_connection_flags(parser)
 
 
 def _connection(args: argparse.Namespace) -> dict:
-    from shared.serving.api_auth import ApiAuthConfig
-    from shared.serving.settings import config_from_args
-    from shared.serving.tls import TlsConfig
+    from pdserve.connection import connection_from_args
 
     try:
-        tls = config_from_args(TlsConfig, args)
-        return dict(tls=tls, api_token=config_from_args(ApiAuthConfig, args).load(os.environ))
+        return connection_from_args(args)
     except ValueError as exc:
         sys.exit(f"pdserve {args.command}: {exc}")
 

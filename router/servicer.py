@@ -153,6 +153,10 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 raise ValueError("sampling: stop strings need a tokenizer: start the router with --tokenizer")
         except ValueError as exc:
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        capacity = min((c for c in (self._prefill.capacity, self._decode.capacity) if c is not None), default=None)
+        if capacity is not None and sampling.n > capacity:
+            raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, f"n is {sampling.n}, and the pods of a tier run at "
+                             f"most {capacity} requests at once, all together (--max-requests-in-flight)")
         # Refused here rather than shipped to a pod that would refuse it (a huge prompt costs every hop).
         # An unset max_tokens is the pods' to fill (the checkpoint's max_new_tokens fits the room left).
         max_tokens = 1 if "max_tokens" in sampling.unset else sampling.max_tokens

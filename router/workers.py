@@ -183,6 +183,13 @@ class WorkerPool:
         lengths = [w.load.max_model_len for w in self._workers.values() if w.load is not None and w.load.max_model_len]
         return min(lengths, default=None)
 
+    @property
+    def capacity(self) -> int | None:
+        """How many requests the tier's workers admit at once, all together (None until every worker
+        reported it): a request of more completions can never run whole."""
+        limits = [w.load.max_requests_in_flight if w.load is not None else None for w in self._workers.values()]
+        return sum(limits) if limits and None not in limits else None
+
     def views(self) -> list[WorkerView]:
         return [WorkerView(w.address, w.is_healthy, self._load_of(w), w.num_inflight) for w in self._workers.values()]
 

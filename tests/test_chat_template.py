@@ -169,7 +169,17 @@ def test_template_variables_override_special_tokens_as_in_transformers(tmp_path)
     expected = reference(directory).apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                         **variables)
     assert "Environment: ipython" in expected and "26 Jul 2024" in expected
-    assert TextCodec.from_path(str(directory)).chat_template.render(messages, **variables) == expected
+    assert TextCodec.from_path(str(directory)).chat_template.render(messages, variables=variables) == expected
+
+
+def test_template_variables_may_set_add_generation_prompt_but_not_the_messages(tmp_path):
+    directory = tokenizer_dir(tmp_path, **TOKENIZER_CONFIG, chat_template=LLAMA_31)
+    template = TextCodec.from_path(str(directory)).chat_template
+    messages = CONVERSATION[1:2]
+    assert template.render(messages, variables={"add_generation_prompt": False, "self": 1}) == \
+        template.render(messages, add_generation_prompt=False)
+    with pytest.raises(ChatTemplateError, match="may not set messages"):
+        template.render(messages, variables={"messages": []})
 
 
 def test_strftime_now_dates_the_prompt():

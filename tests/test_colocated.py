@@ -35,11 +35,12 @@ def word_tokenizer() -> Tokenizer:
 
 
 @contextlib.asynccontextmanager
-async def serving(tokenizer=None):
+async def serving(tokenizer=None, **pod_options):
     pod = Pod(None, PodConfig(
         model="tiny",
         scheduler=dataclasses.replace(serving_scheduler_config(), max_model_len=MAX_MODEL_LEN),
         cache=dataclasses.replace(serving_cache_config(), num_blocks=NUM_BLOCKS),
+        **pod_options,
     ))
     pod.start()
     servicer = ColocatedServicer(ServiceMetrics(), tokenizer=tokenizer)
@@ -168,3 +169,27 @@ def test_text_prompt_is_tokenized_and_streamed_back_as_text():
     assert tokens == [t for r in by_ids for t in r.token_ids]
     assert by_text[-1].num_prompt_tokens == 5
     assert "".join(r.text for r in by_text).split() == [f"w{t}" for t in tokens]
+
+
+@pytest.mark.timeout(120)
+def test_n_completions_are_admitted_together_or_not_at_all():
+    async def scenario():
+        async with serving(max_requests_in_flight=2) as (stub, pod, _):
+            with pytest.raises(grpc.aio.AioRpcError) as never:
+                await collect(stub, request(PROMPTS[0], max_tokens=4, n=3, seed=1))
+            assert never.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "at most 2 requests at once" in never.value.details()
+            busy = stub.Generate(request(PROMPTS[1], max_tokens=400, ignore_eos=True), timeout=30)
+            await busy.read()  # one request in flight: two more would pass the limit
+            with pytest.raises(grpc.aio.AioRpcError) as full:
+                await collect(stub, request(PROMPTS[0], max_tokens=4, n=2, seed=1))
+            assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            busy.cancel()
+            for _ in range(100):
+                if pod.loop.num_in_flight == 0:
+                    break
+                await asyncio.sleep(0.02)
+            answers = await collect(stub, request(PROMPTS[0], max_tokens=4, n=2, seed=1))
+            assert sum(len(a.token_ids) for a in answers) == 8
+
+    asyncio.run(scenario())

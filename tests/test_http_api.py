@@ -394,3 +394,28 @@ def test_split_router_refuses_a_prompt_beyond_the_model_length_without_forwardin
     assert "the model's maximum length is 2048" in info.value.body["message"]
     assert _count(urllib.request.urlopen(prefill_metrics, timeout=5).read().decode(), "invalid") == invalid_before
     assert split_client.models.list().data[0].max_model_len == 2048
+
+
+@pytest.mark.timeout(60)
+def test_an_internal_error_is_an_openai_error_object_and_the_server_serves_on():
+    async def failing_generate(message, context):
+        raise RuntimeError("simulated bug")
+        yield  # an async generator, as the servicers' Generate
+
+    async def scenario():
+        front = HttpFront(failing_generate, model_name="m", codec=lambda: None, registry=ServiceMetrics().registry,
+                          is_ready=lambda: True)
+        server = HttpServer(front.app, "127.0.0.1", 0)
+        await server.start()
+        try:
+            async with httpx.AsyncClient(timeout=30) as http:
+                for _ in range(2):
+                    answer = await http.post(f"{server.url}{COMPLETIONS_PATH}", json={"prompt": [1, 2]})
+                    assert answer.status_code == 500
+                    assert answer.json()["error"] == {"message": "internal error: RuntimeError",
+                                                      "type": "server_error", "param": None, "code": 500}
+                assert (await http.get(f"{server.url}/health")).status_code == 200
+        finally:
+            await server.stop()
+
+    asyncio.run(scenario())

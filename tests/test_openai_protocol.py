@@ -267,4 +267,5 @@ def test_a_retry_hint_becomes_http_retry_after_in_whole_seconds():
 
     answer = _ended_error(CallEnded(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", ((RETRY_AFTER_KEY, "1500"),)))
     assert answer.status_code == 429 and answer.headers["retry-after"] == "2"
+    assert answer.headers["retry-after-ms"] == "1500"
     assert "retry-after" not in _ended_error(CallEnded(grpc.StatusCode.UNAVAILABLE, "down")).headers

@@ -48,9 +48,10 @@ def expected_output(prompt, max_tokens, stop=()):
 
 
 class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, fail_with=None, overloaded=False, defaults=None):
+    def __init__(self, fail_with=None, overloaded=False, defaults=None, max_requests_in_flight=0):
         self.fail_with = fail_with
         self.overloaded = overloaded
+        self.max_requests_in_flight = max_requests_in_flight  # reported in the load (0: not reported)
         # A checkpoint's sampling defaults: with them the pod resolves the params and sends them back, as
         # real prefill pods do; without, it answers as a pod older than resolved_sampling.
         self.defaults = defaults
@@ -87,7 +88,8 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
         return prefill_pb2.ReleaseKvResponse(intact=True)
 
     async def GetLoad(self, request, context):
-        return common_pb2.GetLoadResponse(load=common_pb2.LoadReport(is_overloaded=self.overloaded), engine_id="eng-p")
+        load = common_pb2.LoadReport(is_overloaded=self.overloaded, max_requests_in_flight=self.max_requests_in_flight)
+        return common_pb2.GetLoadResponse(load=load, engine_id="eng-p")
 
 
 def n_prompt(request):
@@ -451,6 +453,19 @@ def test_cancel_right_after_token_one_releases_the_hold():
                     break
                 await asyncio.sleep(0.01)
         assert len(prefill.released) == 1
+
+    run(scenario())
+
+
+def test_more_completions_than_a_tier_ever_admits_is_invalid_argument():
+    async def scenario():
+        prefill = FakePrefill(max_requests_in_flight=2)
+        async with Cluster([prefill], [FakeDecode()]) as cluster:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await cluster.generate([3], max_tokens=4, n=3, seed=1)
+            assert len(tokens(await cluster.generate([3], max_tokens=4, n=2, seed=1))) == 8
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "run at most 2 requests at once" in info.value.details()
 
     run(scenario())
 

@@ -7,6 +7,7 @@ import json
 import logging
 from datetime import datetime
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import jinja2
@@ -70,14 +71,18 @@ class ChatTemplate:
             return None
         return cls(source, special_tokens)
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = True, **variables: Any) -> str:
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
+               variables: Mapping[str, Any] | None = None) -> str:
         """The prompt text; variables (vLLM's chat_template_kwargs) override the special tokens, as in
-        transformers."""
-        context = {"tools": None, "documents": None, **self._special_tokens, **variables}
-        context.update(messages=[_template_message(message) for message in messages],
-                       add_generation_prompt=add_generation_prompt)
+        transformers, and add_generation_prompt, as in vLLM; never the messages."""
+        variables = dict(variables or {})
+        if "messages" in variables:
+            raise ChatTemplateError("chat_template_kwargs may not set messages")
+        context = {"tools": None, "documents": None, **self._special_tokens,
+                   "add_generation_prompt": add_generation_prompt, **variables}
+        context["messages"] = [_template_message(message) for message in messages]
         try:
-            return self._template.render(**context)
+            return self._template.render(context)  # a dict: any key, "self" included, is a template variable
         except ChatTemplateError:
             raise
         except Exception as exc:  # noqa: BLE001 - checkpoint code run on client input: any failure refuses the input

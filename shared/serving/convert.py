@@ -334,6 +334,7 @@ def load_report_to_proto(load: LoadReport) -> common_pb2.LoadReport:
         num_held_blocks=_check_uint("num_held_blocks", load.num_held_blocks),
         is_overloaded=load.is_overloaded,
         max_model_len=_check_uint("max_model_len", load.max_model_len or 0),
+        max_requests_in_flight=_check_uint("max_requests_in_flight", load.max_requests_in_flight or 0),
     )
 
 
@@ -346,6 +347,7 @@ def load_report_from_proto(message: common_pb2.LoadReport) -> LoadReport:
         num_held_blocks=message.num_held_blocks,
         is_overloaded=message.is_overloaded,
         max_model_len=message.max_model_len or None,
+        max_requests_in_flight=message.max_requests_in_flight or None,
     )
 
 

@@ -97,7 +97,8 @@ class CallEnded(grpc.aio.AbortError):
         """HTTP's Retry-After (whole seconds, at least 1) from the servicer's retry hint, if it gave one."""
         for key, value in self.trailing_metadata:
             if key == RETRY_AFTER_KEY and value.isdigit():
-                return {"Retry-After": str(max(1, math.ceil(int(value) / 1000)))}
+                # Retry-After takes whole seconds; the openai client reads retry-after-ms first.
+                return {"Retry-After": str(max(1, math.ceil(int(value) / 1000))), "retry-after-ms": value}
         return {}
 
 
@@ -269,7 +270,7 @@ class HttpFront:
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
-        ], exception_handlers={HTTPException: _http_exception})
+        ], exception_handlers={HTTPException: _http_exception, Exception: _internal_error})
         # Probes and scrapes are not traced: their spans would bury the requests'.
         self.app = HttpTracingMiddleware(app, tracer, traced_paths=(COMPLETIONS_PATH, CHAT_COMPLETIONS_PATH))
 
@@ -472,6 +473,11 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
 async def _http_exception(request: Request, exc: HTTPException) -> Response:
     """Unknown paths and methods answered as OpenAI error objects, like every other error."""
     return _error(exc.status_code, "invalid_request_error", f"{request.method} {request.url.path}: {exc.detail}")
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """A bug met by one request: an OpenAI error object, not a bare text page (the server logs the traceback)."""
+    return _error(*_SERVER_ERROR, f"internal error: {type(exc).__name__}")
 
 
 async def _unless_disconnected(request: Request, work: Awaitable):

@@ -115,6 +115,13 @@ class PodCall:
         self._servicer.metrics.record_outcome(outcome)
 
 
+async def refuse(servicer: "PodServicer", context: grpc.aio.ServicerContext, error: CallError) -> None:
+    """End a call that started no work with the error's status (and retry hint), counted by its outcome."""
+    code, outcome = status_of(error)
+    servicer.metrics.record_outcome(outcome)
+    await context.abort(code, str(error), trailing_metadata=_retry_hint(error))
+
+
 def _retry_hint(error: BaseException) -> tuple[tuple[str, str], ...]:
     if isinstance(error, PodOverloaded) and error.retry_after_ms is not None:
         return ((RETRY_AFTER_KEY, str(error.retry_after_ms)),)

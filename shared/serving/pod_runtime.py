@@ -221,6 +221,17 @@ class Pod:
                 f"model's maximum length {self.max_model_len}: shorten the prompt or lower max_tokens"
             )
 
+    def check_room(self, num_requests: int) -> None:
+        """Admits a fan-out (n completions) whole or not at all: InvalidRequest when it could never fit,
+        PodOverloaded while the requests in flight leave too little room."""
+        limit = self.config.max_requests_in_flight
+        if num_requests > limit:
+            raise InvalidRequest(f"n is {num_requests}, and this server runs at most {limit} requests at once "
+                                 f"(--max-requests-in-flight)")
+        if self.loop.num_in_flight + num_requests > limit:
+            raise PodOverloaded(f"{self.loop.num_in_flight} requests in flight and n is {num_requests} (limit "
+                                f"{limit})", retry_after_ms=OVERLOAD_RETRY_AFTER_MS)
+
     def submit(self, request: Request) -> RequestStream:
         if self.loop.num_in_flight >= self.config.max_requests_in_flight:
             raise PodOverloaded(
@@ -239,6 +250,7 @@ class Pod:
             num_held_blocks=self.connector.num_held_blocks if self.connector else 0,
             is_overloaded=self.loop.num_in_flight >= self.config.max_requests_in_flight,
             max_model_len=self.max_model_len,
+            max_requests_in_flight=self.config.max_requests_in_flight,
         )
 
     def kv_source(self) -> PrefillKvSource:

@@ -84,7 +84,7 @@ class TextCodec:
                                     f"{TOKENIZER_CONFIG_FILE})")
         messages = [_with_text_content(index, message) for index, message in enumerate(messages)]
         text = self.chat_template.render(
-            messages, add_generation_prompt=add_generation_prompt, **(template_variables or {}))
+            messages, add_generation_prompt=add_generation_prompt, variables=template_variables)
         # The template already wrote the special tokens (bos, role markers): add none of our own.
         return encode_text(self._tokenizer, text, add_special_tokens=False)
 

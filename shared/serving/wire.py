@@ -21,6 +21,7 @@ class LoadReport:
     num_held_blocks: int = 0
     is_overloaded: bool = False
     max_model_len: int | None = None  # the longest prompt + output the pod takes
+    max_requests_in_flight: int | None = None  # how many requests the pod admits at once
 
 
 @dataclass(frozen=True)

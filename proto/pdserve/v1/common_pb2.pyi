@@ -140,7 +140,7 @@ class KvHandle(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., source_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "num_held_blocks", "is_overloaded", "max_model_len")
+    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "num_held_blocks", "is_overloaded", "max_model_len", "max_requests_in_flight")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class LoadReport(_message.Message):
     NUM_HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     IS_OVERLOADED_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_free_blocks: int
@@ -155,7 +156,8 @@ class LoadReport(_message.Message):
     num_held_blocks: int
     is_overloaded: bool
     max_model_len: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_held_blocks: _Optional[int] = ..., is_overloaded: _Optional[bool] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    max_requests_in_flight: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_held_blocks: _Optional[int] = ..., is_overloaded: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., max_requests_in_flight: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
