@@ -23,7 +23,7 @@ from shared.serving.text import TextCodec, generate_input
 from router.workers import WorkerPool
 from shared.serving import convert, fan_out, wire
 from shared.serving.output_text import OutputText
-from shared.engine.kv_transfer.handle import KvHandle, KvPullStats
+from shared.engine.kv_transfer.handle import KvHandle, KvPullOutcome, KvPullStats
 from shared.engine.request import FinishReason, SamplingParams
 from shared.serving.outcomes import CANCELLED, ERROR, OK, RETRY_AFTER_KEY, outcome_of_code
 
@@ -49,6 +49,14 @@ class RouteError(Exception):
         return ((RETRY_AFTER_KEY, str(max(1, round(self.retry_after_s * 1000)))),)
 
 
+async def _await_status(call, timeout_s: float) -> None:
+    """The status of a call whose last message came; cancelled if it does not follow within timeout_s."""
+    try:
+        await asyncio.wait_for(call.code(), timeout_s)
+    except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+        call.cancel()
+
+
 class _Deadline:
     """The client's deadline, as a timeout for each downstream call."""
 
@@ -62,6 +70,11 @@ class _Deadline:
         if left <= 0:
             raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded in the router")
         return left
+
+
+# Pull outcomes after which the decode pod did not use the hold: the router ends it too (ReleaseKv is
+# idempotent), since a pod that could not read the blocks may not reach the prefill pod at all.
+_HOLD_UNUSED = (KvPullOutcome.RECOMPUTED_ERROR, KvPullOutcome.RECOMPUTED_LAYOUT_MISMATCH)
 
 
 @dataclass
@@ -458,6 +471,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         """One Decode call: yields (new token ids, finish reason or None, their logprobs) until the finish reason."""
         with self._decode.use(address) as stub:
             call = stub.Decode(convert.decode_request_to_proto(work), timeout=deadline.remaining())
+            finished = False
             try:
                 is_first = True
                 while True:
@@ -468,16 +482,23 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                     if is_first:
                         is_first = False
                         # The first message comes after the pull was confirmed (or given up).
-                        if hold is not None:
+                        if decoded.kv_pull is not None and decoded.kv_pull.outcome in _HOLD_UNUSED:
+                            # The pod recomputed: it may not reach the prefill pod to end the hold itself.
+                            self._abandon(hold)
+                        elif hold is not None:
                             hold.is_settled = True
                         self._record_pull(work.request_id, decoded.kv_pull)
                     generated.extend(decoded.token_ids)
-                    if decoded.token_ids or decoded.finish_reason is not None:
+                    finished = decoded.finish_reason is not None
+                    if decoded.token_ids or finished:
                         yield decoded.token_ids, decoded.finish_reason, decoded.logprobs
-                    if decoded.finish_reason is not None:
+                    if finished:
                         return
             finally:
-                call.cancel()  # reaches the decode pod when the client went away
+                if finished:  # the pod's OK status follows at once: take it, or the call would end CANCELLED
+                    self._spawn(_await_status(call, self._config.stall_timeout_s))
+                else:
+                    call.cancel()  # reaches the decode pod when the client went away
         raise RouteError(grpc.StatusCode.INTERNAL, "a decode worker ended the stream without a finish reason", address)
 
     async def _next_message(self, call, address: str, deadline, is_first: bool):

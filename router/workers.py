@@ -44,6 +44,7 @@ class _Worker:
     num_inflight: int = 0
     is_retired: bool = False
     overloaded_until: float | None = None  # monotonic time a refusal's retry hint runs out
+    probe_problem: str | None = None  # why the last probe found it unhealthy (logged when it changes)
 
 
 class WorkerPool:
@@ -170,11 +171,22 @@ class WorkerPool:
                 response = await worker.probe_stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout)
                 load = convert.load_report_from_proto(response.load)
         except grpc.aio.AioRpcError as exc:
-            is_healthy, load = False, None
-            logger.debug("%s pool: probe of %s failed: %s", self.tier, worker.address, exc.code())
-        if worker.is_healthy != is_healthy:
-            logger.info("%s pool: %s is now %s", self.tier, worker.address, "healthy" if is_healthy else "unhealthy")
+            is_healthy, load, health = False, None, None
+            self._note_problem(worker, f"probe failed: {exc.code().name}: {exc.details()}", logging.WARNING)
+        if health is not None and not is_healthy:  # loading or draining: normal for a while
+            status = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
+            self._note_problem(worker, f"health says {status}", logging.INFO)
+        if is_healthy and not worker.is_healthy:
+            logger.info("%s pool: %s is now healthy", self.tier, worker.address)
+            worker.probe_problem = None
         worker.is_healthy, worker.load = is_healthy, load
+
+    def _note_problem(self, worker: _Worker, problem: str, level: int) -> None:
+        """Say why a worker is unhealthy, once per cause: a TLS or address mistake shows in the log, not
+        only as 'no healthy worker' to clients."""
+        if problem != worker.probe_problem:
+            logger.log(level, "%s pool: %s is unhealthy (%s)", self.tier, worker.address, problem)
+            worker.probe_problem = problem
 
     # ---- what the servicer uses ---------------------------------------------------------------
     @property

@@ -98,7 +98,7 @@ def n_prompt(request):
 
 class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, fail_after=None, delay_s=0.0, overloaded=False, num_refusals=0, freeze_after=None,
-                 die_at_last=False):
+                 die_at_last=False, pull_outcome=None):
         self.fail_after = fail_after  # abort UNAVAILABLE after this many tokens
         self.die_at_last = die_at_last  # send the last token without its finish reason, then abort UNAVAILABLE
         self.delay_s = delay_s
@@ -107,6 +107,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
         self.freeze_after = freeze_after  # stop sending (but keep the call open) after this many tokens
         self.calls, self.time_remaining, self.cancelled = [], [], asyncio.Event()
         self.num_refused = 0
+        self.pull_outcome = pull_outcome  # what the pull of a handle came to (default: pulled)
 
     async def Decode(self, request, context):
         work = convert.decode_request_from_proto(request)
@@ -116,7 +117,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
                                 trailing_metadata=(("retry-after-ms", "30"),))
         self.calls.append(work)
         self.time_remaining.append(context.time_remaining())
-        outcome = convert.KvPullOutcome.PULLED if work.handle else convert.KvPullOutcome.NO_HANDLE
+        outcome = (self.pull_outcome or convert.KvPullOutcome.PULLED) if work.handle else convert.KvPullOutcome.NO_HANDLE
         stats = convert.KvPullStats(128, 1, 0, 0.001, outcome)
         last = (work.generated_token_ids or work.prompt_token_ids)[-1]
         num_out = len(work.generated_token_ids)
@@ -466,6 +467,21 @@ def test_more_completions_than_a_tier_ever_admits_is_invalid_argument():
             assert len(tokens(await cluster.generate([3], max_tokens=4, n=2, seed=1))) == 8
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "run at most 2 requests at once" in info.value.details()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("outcome, released", [
+    (convert.KvPullOutcome.RECOMPUTED_ERROR, 1), (convert.KvPullOutcome.PULLED, 0),
+])
+def test_a_hold_the_decode_pod_did_not_use_is_released_by_the_router(outcome, released):
+    # A decode pod that could not read the blocks may not reach the prefill pod to end the hold either.
+    async def scenario():
+        prefill = FakePrefill()
+        async with Cluster([prefill], [FakeDecode(pull_outcome=outcome)]) as cluster:
+            assert tokens(await cluster.generate([3], max_tokens=4)) == expected_output([3], 4)
+            await cluster.servicer.drain()
+        assert len(prefill.released) == released
 
     run(scenario())
 
