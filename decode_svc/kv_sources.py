@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Callable
 
 import grpc
@@ -18,6 +19,9 @@ logger = logging.getLogger(__name__)
 
 # A restarted prefill pod is back within seconds: reconnect at most a second after it is, or its
 # holds would wait for their leases because the confirmations cannot reach it.
+# How long a prefill engine whose KV path failed its check is recomputed for, before it is checked again
+# (a firewall fixed meanwhile costs at most this long of recomputed prompts).
+RECHECK_BROKEN_PATH_S = 30.0
 _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
@@ -39,6 +43,9 @@ class KvSourceCache:
         self._probe: TransportProbe | None = None
         self._transports: dict[str, str] = {}
         self._checked_engines: set[str] = set()  # probed with a conclusive result (or being probed now)
+        # Engines whose KV path failed its check -> when to check it again; until then their handles are
+        # not pulled (each pull would wait out its whole deadline), the prompt is recomputed at once.
+        self._broken_until: dict[str, float] = {}
         self.on_probe_failure: Callable[[ProbeResult], None] | None = None  # set by the servicer (metrics)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._sources: dict[str, KvSource] = {}
@@ -62,6 +69,8 @@ class KvSourceCache:
         return PrefillClient(channel, self._config)
 
     async def get(self, handle: KvHandle) -> KvSource:
+        """The handle's source; KvSourceUnavailable when its pod cannot describe it or its KV path is broken."""
+        self._refuse_broken_path(handle)
         source = self._sources.get(handle.engine_id)
         if source is None:
             source = await self._describe(handle)
@@ -71,7 +80,19 @@ class KvSourceCache:
             # path costs this request the probe's timeout.
             self._checked_engines.add(handle.engine_id)
             await self._check_transport(handle, source)
+            self._refuse_broken_path(handle)
         return source
+
+    def _refuse_broken_path(self, handle: KvHandle) -> None:
+        broken_until = self._broken_until.get(handle.engine_id)
+        if broken_until is None:
+            return
+        if time.monotonic() >= broken_until:  # time to check it again
+            del self._broken_until[handle.engine_id]
+            self._checked_engines.discard(handle.engine_id)
+            return
+        raise KvSourceUnavailable(f"the KV path to prefill engine {handle.engine_id} at {handle.source_address} "
+                                  f"failed its check; its prompts are recomputed until a check passes")
 
     async def _describe(self, handle: KvHandle) -> KvSource:
         try:
@@ -112,8 +133,10 @@ class KvSourceCache:
             self._checked_engines.discard(handle.engine_id)
             return
         TransportProbe.report(result, source)
-        if not result.is_ok and self.on_probe_failure is not None:
-            self.on_probe_failure(result)
+        if not result.is_ok:
+            self._broken_until[handle.engine_id] = time.monotonic() + RECHECK_BROKEN_PATH_S
+            if self.on_probe_failure is not None:
+                self.on_probe_failure(result)
 
     async def _answers(self, address: str) -> bool:
         """Whether the prefill pod at address answers a gRPC call now."""

@@ -97,10 +97,11 @@ class TransportProbe:
                         source.agent_name, result.peer_address, result.transport)
             return
         logger.error(
-            "KV transport check FAILED: a %d-byte NIXL READ from prefill engine %s at %s (UCX transport %s, "
-            "KV port range %s) did not deliver: %s. Pulls from it will fail and decode will recompute "
-            "prompts; check that the KV port range is open between the pods (NetworkPolicy, firewall)",
-            PROBE_BYTES, source.agent_name, result.peer_address, result.transport, result.port_range, result.error)
+            "KV transport check FAILED: a %d-byte NIXL READ from prefill engine %s at %s (UCX transport %s) did "
+            "not deliver: %s. This pod recomputes the prompts of that engine instead of pulling them until a "
+            "check passes; check that the prefill pod's KV port range (its --kv-port-range) is open to this pod, "
+            "and this pod's (%s) to the prefill pod (NetworkPolicy, firewall)",
+            PROBE_BYTES, source.agent_name, result.peer_address, result.transport, result.error, result.port_range)
 
     def _read(self, source: KvSource) -> str | None:
         region = source.regions[0]

@@ -8,7 +8,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from decode_svc.kv_sources import KvSourceCache
+from decode_svc.kv_sources import KvSourceCache, KvSourceUnavailable
 from decode_svc.transport_probe import ProbeResult, derive_transport
 from proto.pdserve.v1 import generate_pb2_grpc
 from shared.engine.kv_transfer.handle import KvHandle, KvLayout, KvRegion, KvSource
@@ -106,7 +106,8 @@ class _FailingProbe:
 @pytest.mark.parametrize("peer_answers_grpc, counted", [(False, 0), (True, 1)])
 def test_a_probe_read_that_fails_counts_only_when_the_peer_is_alive(peer_answers_grpc, counted):
     # A frozen prefill pod serves neither READs nor gRPC: that is no transport failure, and the engine is
-    # probed again next time. A pod that answers gRPC but not the READ has a blocked KV path.
+    # probed again next time. A pod that answers gRPC but not the READ has a blocked KV path: its handles
+    # are not pulled (each pull would wait out its deadline) until a later check.
     async def scenario():
         sources = KvSourceCache(probe_port_range="20000-20099")
         sources._probe = probe = _FailingProbe()
@@ -123,9 +124,13 @@ def test_a_probe_read_that_fails_counts_only_when_the_peer_is_alive(peer_answers
 
         sources._describe, sources._answers = describe, answers
         handle = KvHandle("engine-1", "198.51.100.7:50061", (1,), 16, 16, KvLayout("tiny", "float32", 2, 2, 8, 16), 0)
+        refused = 0
         for _ in range(2):
-            await sources.get(handle)
+            try:
+                await sources.get(handle)
+            except KvSourceUnavailable:
+                refused += 1
         await sources.close()
-        return len(failures), probe.num_probes
+        return len(failures), probe.num_probes, refused
 
-    assert asyncio.run(scenario()) == (counted, 2 if not peer_answers_grpc else 1)
+    assert asyncio.run(scenario()) == ((0, 2, 0) if not peer_answers_grpc else (1, 1, 2))

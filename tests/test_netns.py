@@ -246,15 +246,19 @@ def test_a_blocked_kv_port_range_is_loud_and_counted(lab: Lab) -> None:
         _restart_decode(lab)
         stream = lab.client_popen("generate", f"{ADDRESSES['router']}:{GRPC_PORTS['router']}", "4")
         lab.wait_for_log("decode", "KV transport check FAILED", timeout_s=30)
-        stdout, stderr = stream.communicate(timeout=80)  # the pull fails at its 30 s deadline, then recomputes
+        stdout, stderr = stream.communicate(timeout=80)  # the check fails (5 s), then decode recomputes
         assert json.loads(stdout.strip().splitlines()[-1])["num_tokens"] == 4, stderr[-3000:]
+        # Known broken: later requests are recomputed at once, not held for a pull's whole deadline.
+        started = time.monotonic()
+        assert lab.generate(4)["num_tokens"] == 4
+        assert time.monotonic() - started < 10
         error_line = next(line for line in lab.log("decode").splitlines() if "KV transport check FAILED" in line)
         assert f"{ADDRESSES['prefill']}:{GRPC_PORTS['prefill']}" in error_line  # the peer
         assert f"{KV_PORTS[0]}-{KV_PORTS[1]}" in error_line  # the ports
         assert "UCX transport tcp" in error_line  # the transport tried
         assert lab.metric("decode", "pdserve_kv_transport_failures_total", transport="tcp") == 1
         assert lab.metric("decode", "pdserve_kv_pulls_total", outcome="pulled") == 0
-        assert lab.metric("decode", "pdserve_kv_pulls_total", transport="tcp", outcome="recomputed_error") == 1
+        assert lab.metric("decode", "pdserve_kv_pulls_total", transport="tcp", outcome="recomputed_error") == 2
     finally:
         lab.filter_prefill(DECLARED_PORTS)
 
