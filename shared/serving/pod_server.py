@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import logging
 import os
+import socket
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -279,11 +280,30 @@ def set_kv_transport_env(kv_port_range: str, *, uses_cuda: bool) -> None:
         os.environ.setdefault(name, value)
 
 
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+
 def advertised(pod_config: PodConfig, role: KVRole | None, host: str, port: int) -> PodConfig:
-    """A prefill pod without --advertise-address advertises the address its server is bound to."""
-    if role is KVRole.PRODUCER and not pod_config.advertise_address:
-        return dataclasses.replace(pod_config, advertise_address=f"{host}:{port}")
-    return pod_config
+    """A prefill pod without --advertise-address advertises the address its server is bound to, or, bound to
+    every address, this host's address on its default route (a decode pod dialing 0.0.0.0 reaches itself)."""
+    if role is not KVRole.PRODUCER or pod_config.advertise_address:
+        return pod_config
+    if host in _WILDCARD_HOSTS:
+        host = _default_route_address()
+        logger.info("bound to every address: advertising %s:%s to decode pods (--advertise-address sets it)",
+                    host, port)
+    return dataclasses.replace(pod_config, advertise_address=f"{host}:{port}")
+
+
+def _default_route_address() -> str:
+    """The address this host sends from by default. A UDP connect only picks the route: nothing is sent."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1 (RFC 5737): any routable address would do
+            return probe.getsockname()[0]
+    except OSError as exc:
+        raise ValueError(f"the pod is bound to every address and this host has no default route to tell which one "
+                         f"decode pods reach it at ({exc}): pass --advertise-address HOST:PORT") from None
 
 
 async def load_pod(role: KVRole | None, pod_config: PodConfig, kv_port_range: str, tracing: Tracing) -> Pod:
