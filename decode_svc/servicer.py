@@ -38,6 +38,8 @@ PULL_ABORTED = "aborted"
 # Requests that ended mid-pull still confirm the pull (ReleaseKv) later; their trace context waits
 # here for that call, bounded in case a confirmation never comes.
 MAX_LATE_RELEASES = 1024
+# Distinct prefill engines whose handles failed to verify that are named in the log (forged ids are endless).
+MAX_UNVERIFIED_ENGINES_LOGGED = 64
 
 
 @dataclass
@@ -58,6 +60,7 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
         sources.on_probe_failure = lambda result: metrics.kv_transport_failures.labels(result.transport).inc()
         self._traces: dict[str, _DecodeTrace] = {}
         self._late_releases: dict[str, otel_context.Context] = {}
+        self._unverified_engines: set[str] = set()  # prefill engines whose handles failed to verify (logged)
 
     def use_tracing(self, tracing) -> None:
         super().use_tracing(tracing)
@@ -189,6 +192,16 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
         )
         return engine_request, stats
 
+    def _warn_unverified(self, engine_id: str, source_address: str) -> None:
+        """Once per engine (bounded): every handle of a prefill pod run with another key fails, and the
+        clients alone would see it."""
+        if engine_id in self._unverified_engines or len(self._unverified_engines) >= MAX_UNVERIFIED_ENGINES_LOGGED:
+            return
+        self._unverified_engines.add(engine_id)
+        logger.warning("a KV handle naming prefill engine %s at %s does not verify under this pod's key: the "
+                       "prefill and decode pods were given different --kv-handle-key-file / PDSERVE_KV_HANDLE_KEY, "
+                       "or the handle was forged; such requests fail with PERMISSION_DENIED", engine_id, source_address)
+
     def _checked_prompt_digest(self, work: wire.DecodeInput) -> bytes:
         """The request's own prompt digest, once the handle proved authentic and made for that prompt.
         A refused handle is not released: whoever holds the real one may still pull with it."""
@@ -196,6 +209,7 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
         try:
             self.pod.connector.check_handle(work.handle, digest)
         except KvHandleNotAuthentic as exc:
+            self._warn_unverified(work.handle.engine_id, work.handle.source_address)
             raise HandleNotAuthentic(f"request {work.request_id}: {exc}") from None
         except KvHandleOtherPrompt as exc:
             raise InvalidRequest(f"request {work.request_id}: {exc}") from None

@@ -188,6 +188,8 @@ def test_forged_or_tampered_handle_is_refused_before_any_read(cluster, tampering
     assert _transfer_bytes(cluster) == read_before
     assert _release(cluster, f"forged-{len(tampering)}", answer.handle.engine_id) is False  # abandon the hold
     _wait_until_nothing_is_held(cluster)
+    # The decode pod says so in its log (a key that differs between the pods shows there, not only to clients).
+    assert "does not verify under this pod's key" in cluster.by_name("decode-0").log_tail(1_000_000)
 
 
 def _methods(service_name: str, module) -> list[tuple[str, bool, bool]]:
