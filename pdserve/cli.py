@@ -54,6 +54,14 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
+def _token_ids(text: str) -> list[int]:
+    """--token-ids: comma-separated integers."""
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        sys.exit(f"pdserve generate: --token-ids takes comma-separated integers, got {text!r}")
+
+
 def _version() -> str:
     try:
         return metadata.version("pdserve")
@@ -162,7 +170,7 @@ def _run_health(args: argparse.Namespace) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> None:
-    prompt = args.prompt if args.prompt is not None else [int(t) for t in args.token_ids.split(",") if t.strip()]
+    prompt = args.prompt if args.prompt is not None else _token_ids(args.token_ids)
     sampling = dict(max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
     given = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     sampling.update({name: value for name, value in given.items() if value is not None})
