@@ -11,12 +11,13 @@ import sys
 
 from colocated_svc.servicer import ColocatedServicer
 from proto.pdserve.v1 import generate_pb2_grpc
-from shared.serving.api_auth import ApiAuthConfig
+from shared.serving.api_auth import ApiAuthConfig, log_token_requirement
 from shared.serving.http_api import HttpConfig, HttpFront, HttpServer
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.pod_server import add_pod_flags, pod_config_from_args, run_pod
 from shared.serving.settings import add_flags, config_from_args
 from shared.serving.text import TextCodec
+from shared.serving.tls import TlsConfig
 
 SERVICE_NAME = "pdserve.v1.GenerateService"
 DEFAULT_PORT = 50061
@@ -45,8 +46,10 @@ def load_codec(tokenizer: str | None, model: str) -> TextCodec | None:
 
 
 def http_server(
-    args, http: HttpConfig, servicer: ColocatedServicer, codec: TextCodec | None, api_token: str | None
+    args, http: HttpConfig, servicer: ColocatedServicer, codec: TextCodec | None, api_token: str | None,
+    tls: TlsConfig,
 ) -> HttpServer | None:
+    """The HTTP front when --http-port is set: HTTPS, and mTLS, with the gRPC server's TLS settings."""
     if http.http_port is None:
         return None
     front = HttpFront(
@@ -60,7 +63,7 @@ def http_server(
         tracer=lambda: servicer.tracing.tracer,  # run_pod hands the servicer its tracing
         max_body_bytes=http.max_body_bytes,
     )
-    return HttpServer(front.app, args.host, http.http_port)
+    return HttpServer(front.app, args.host, http.http_port, tls)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,17 +71,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s colocated %(levelname)s %(name)s: %(message)s")
     try:
         config = pod_config_from_args(args)
+        config.tls.require_server_certificate()
         http = config_from_args(HttpConfig, args)
         codec = load_codec(args.tokenizer, config.model)
         api_token = config_from_args(ApiAuthConfig, args).load(os.environ)
     except ValueError as exc:
         print(f"pdserve colocated: {exc}", file=sys.stderr)
         return 2
+    log_token_requirement(api_token)
     servicer = ColocatedServicer(ServiceMetrics(), tokenizer=codec.tokenizer if codec is not None else None)
     services = [(generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer, SERVICE_NAME)]
     try:
-        front = http_server(args, http, servicer, codec, api_token)
-    except OSError as exc:
+        front = http_server(args, http, servicer, codec, api_token, config.tls)
+    except (OSError, ValueError) as exc:  # the port is taken; --tls-ca without a certificate to serve
         print(f"pdserve colocated: {exc}", file=sys.stderr)
         return 2
     # Role None: no KV connector, the pod runs whole requests itself.

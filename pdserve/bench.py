@@ -195,7 +195,7 @@ def bench_client(backend: str, target: str, connection: dict | None = None):
     connection: the tls and api_token the server asks for (connection_from_args)."""
     connection = connection or {}
     if backend == "openai":
-        return OpenAiBenchClient(target, api_token=connection.get("api_token"))
+        return OpenAiBenchClient(target, **connection)
     return AsyncPdserveClient(target, **connection)
 
 

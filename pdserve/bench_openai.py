@@ -4,12 +4,14 @@ yielding chunks shaped like the gRPC client's so the figures compare."""
 from __future__ import annotations
 
 import json
+import ssl
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 import aiohttp
 
 from shared.engine.request import FinishReason
+from shared.serving.tls import TlsConfig
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT,
            "error": FinishReason.ERROR}
@@ -28,15 +30,19 @@ class StreamedChunk:
 class OpenAiBenchClient:
     """`async with OpenAiBenchClient("http://127.0.0.1:8000/v1") as client: client.generate(...)`."""
 
-    def __init__(self, base_url: str, model: str | None = None, api_token: str | None = None):
+    def __init__(self, base_url: str, model: str | None = None, api_token: str | None = None,
+                 tls: TlsConfig = TlsConfig()):
+        """tls: the CA that verifies an https server (default: the system's) and a client certificate (mTLS)."""
         self._url = base_url.rstrip("/") + "/completions"
         self._model = model
         self._headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
+        self._ssl = _ssl_context(tls)
         self._http: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "OpenAiBenchClient":
         # One pooled connection per request in flight, like the gRPC channel's streams.
-        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=self._headers)
+        connector = aiohttp.TCPConnector(limit=0, ssl=self._ssl if self._ssl is not None else True)
+        self._http = aiohttp.ClientSession(connector=connector, headers=self._headers)
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -72,3 +78,13 @@ class OpenAiBenchClient:
                     yield StreamedChunk([0] * new, _FINISH.get(finish) if finish else None)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise CallFailed(f"{type(exc).__name__}: {exc}") from None
+
+
+def _ssl_context(tls: TlsConfig) -> ssl.SSLContext | None:
+    """None: aiohttp's default verification (the system's CAs) for https."""
+    if not tls.tls_ca and not tls.tls_cert:
+        return None
+    context = ssl.create_default_context(cafile=tls.tls_ca or None)
+    if tls.tls_cert:
+        context.load_cert_chain(tls.tls_cert, tls.tls_key)
+    return context

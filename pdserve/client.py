@@ -85,6 +85,12 @@ def chunk_from_proto(message: generate_pb2.GenerateResponse) -> GenerateChunk:
     )
 
 
+def _auth_metadata(api_token: str | None) -> tuple[tuple[str, str], ...]:
+    """The bearer token's metadata, the token stripped as the servers strip theirs: one read from a file
+    ends in a newline, which gRPC metadata cannot carry."""
+    return bearer_metadata(api_token.strip() if api_token else None)
+
+
 def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -100,7 +106,7 @@ class PdserveClient:
         self.address = address
         self._channel = tls.channel(address, options=_channel_options(max_message_bytes))
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
-        self._metadata = bearer_metadata(api_token)
+        self._metadata = _auth_metadata(api_token)
 
     def generate(
         self,
@@ -136,7 +142,7 @@ class AsyncPdserveClient:
         self.address = address
         self._channel = tls.aio_channel(address, options=_channel_options(max_message_bytes))
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
-        self._metadata = bearer_metadata(api_token)
+        self._metadata = _auth_metadata(api_token)
 
     async def generate(
         self,

@@ -2,6 +2,7 @@
 processes started here (by pid). Used by `pdserve up`, the tests and the benchmarks."""
 from __future__ import annotations
 
+import argparse
 import os
 import secrets
 import signal
@@ -17,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.serving.handle_key import KEY_ENV_VAR
+from shared.serving.settings import add_flags, config_from_args
 from shared.serving.tls import TlsConfig
 
 HOST = "127.0.0.1"
@@ -209,7 +211,7 @@ class LocalCluster:
             routing = [f"--prefill={','.join(s.address for s in prefill)}",
                        f"--decode={','.join(s.address for s in decode)}", "--http-port", str(http_port)]
             router = cluster._start("router", "router", [*routing, *router_args], log_dir, env, ports.router)
-            router.http_url = f"http://{HOST}:{http_port}/v1"
+            router.http_url = f"{_http_scheme(router_args)}://{HOST}:{http_port}/v1"
             for service in cluster.services:
                 wait_serving(service, timeout_s, cluster.client_tls)
         except BaseException:
@@ -240,6 +242,14 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _http_scheme(router_args: Sequence[str]) -> str:
+    """https when the router's flags give it a certificate (its HTTP API then serves it, as gRPC does)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_flags(parser, TlsConfig)
+    known, _ = parser.parse_known_args(list(router_args))
+    return "https" if config_from_args(TlsConfig, known).tls_cert else "http"
 
 
 def _nth_port(first: int | None, index: int) -> int | None:

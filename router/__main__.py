@@ -19,7 +19,7 @@ from router.metrics import RouterMetrics
 from router.servicer import RouterServicer
 from shared.serving.text import TextCodec
 from router.workers import WorkerPool
-from shared.serving.api_auth import BearerTokenInterceptor
+from shared.serving.api_auth import BearerTokenInterceptor, log_token_requirement
 from shared.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServerOptions, serve_until_stopped
 from shared.serving.http_api import HttpFront, HttpServer
 from shared.serving.metrics import MetricsServer, start_metrics_server
@@ -151,7 +151,8 @@ def http_front(
     config: RouterConfig, servicer: RouterServicer, codec: TextCodec | None, registry: CollectorRegistry,
     api_token: str | None, tracing: Tracing, *, is_ready: Callable[[], bool],
 ) -> HttpServer | None:
-    """The OpenAI-compatible HTTP API, when --http-port is set (is_ready: its readiness, as the gRPC one)."""
+    """The OpenAI-compatible HTTP API, when --http-port is set (is_ready: its readiness, as the gRPC one);
+    HTTPS, and mTLS, with the gRPC server's TLS settings."""
     if config.http.http_port is None:
         return None
     front = HttpFront(
@@ -160,7 +161,7 @@ def http_front(
         max_model_len=lambda: servicer.max_model_len, api_key=api_token, tracer=lambda: tracing.tracer,
         max_body_bytes=config.http.max_body_bytes,
     )
-    return HttpServer(front.app, config.host, config.http.http_port)
+    return HttpServer(front.app, config.host, config.http.http_port, config.tls)
 
 
 def announcements(
@@ -191,11 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = RouterConfig.from_args(args)
+        config.tls.require_server_certificate()
         codec = TextCodec.from_path(config.tokenizer_path) if config.tokenizer_path else None
         api_token = config.auth.load(os.environ)
     except ValueError as exc:
         print(f"router: {exc}", file=sys.stderr)
         return 2
+    log_token_requirement(api_token)
     asyncio.run(run(config, env=dict(os.environ), codec=codec, api_token=api_token))
     return 0
 

@@ -172,6 +172,19 @@ def test_template_variables_override_special_tokens_as_in_transformers(tmp_path)
     assert TextCodec.from_path(str(directory)).chat_template.render(messages, variables=variables) == expected
 
 
+@pytest.mark.parametrize("template", ["LLAMA_31", "CHATML"])
+def test_continue_final_message_ends_inside_the_last_message_as_in_transformers(tmp_path, template):
+    directory = tokenizer_dir(tmp_path, **TOKENIZER_CONFIG, chat_template=globals()[template])
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    expected = reference(directory).apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                                        continue_final_message=True)
+    assert expected.endswith("The colour is")
+    template = TextCodec.from_path(str(directory)).chat_template
+    assert template.render(messages, add_generation_prompt=False, continue_final_message=True) == expected
+    with pytest.raises(ChatTemplateError, match="cannot both be true"):
+        template.render(messages, continue_final_message=True)
+
+
 def test_template_variables_may_set_add_generation_prompt_but_not_the_messages(tmp_path):
     directory = tokenizer_dir(tmp_path, **TOKENIZER_CONFIG, chat_template=LLAMA_31)
     template = TextCodec.from_path(str(directory)).chat_template

@@ -180,9 +180,9 @@ def test_chat_messages_are_checked_and_their_parts_left_to_the_codec():
         oai.chat_messages({"messages": [{"role": "user", "content": 7}]})
     with pytest.raises(InvalidRequest, match="non-empty list"):
         oai.chat_messages({"messages": []})
-    assert oai.chat_template_options({}) == (True, {})
-    assert oai.chat_template_options({"add_generation_prompt": False, "chat_template_kwargs": {"x": 1}}) == (
-        False, {"x": 1})
+    assert oai.chat_template_options({}) == oai.ChatTemplateOptions()
+    assert oai.chat_template_options({"add_generation_prompt": False, "continue_final_message": True,
+                                      "chat_template_kwargs": {"x": 1}}) == oai.ChatTemplateOptions(False, True, {"x": 1})
     with pytest.raises(InvalidRequest, match="chat_template_kwargs"):
         oai.chat_template_options({"chat_template_kwargs": [1]})
 

@@ -10,8 +10,11 @@ from decode_svc.flags import build_arg_parser as decode_parser, pod_config as de
 from prefill_svc.flags import build_arg_parser as prefill_parser, pod_config as prefill_config
 from router.flags import RouterConfig, build_arg_parser as router_parser
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy
+from shared.serving.api_auth import ApiAuthConfig
+from shared.serving.handle_key import HandleKeyConfig
 from shared.serving.pod_runtime import PodConfig
 from shared.serving.settings import add_flags, config_from_args, setting
+from shared.serving.tls import TlsConfig
 
 POD_FLAGS = [
     "--host", "--port", "--metrics-port", "--otlp-endpoint", "--otel-sampling-ratio", "--model", "--dtype", "--seed",
@@ -139,3 +142,49 @@ def test_a_pod_fills_unset_fields_from_its_overrides():
     pod = Pod(None, PodConfig(**small, override_generation_config='{"temperature": 0.5, "max_new_tokens": 7}'))
     filled = pod.fill_sampling(SamplingParams(unset={"temperature", "max_tokens"}), num_prompt_tokens=10)
     assert (filled.temperature, filled.max_tokens) == (0.5, 7)
+
+
+def test_tls_files_are_checked_at_start_up_and_named_by_their_flags(tmp_path):
+    from certs import CertificateAuthority
+
+    ca = CertificateAuthority(tmp_path)
+    one, other = ca.issue("one"), ca.issue("other")
+    assert TlsConfig(tls_cert=str(one.cert), tls_key=str(one.key), tls_ca=str(ca.cert_path)).is_enabled
+    with pytest.raises(ValueError, match=f"--tls-key {other.key} is not the private key of --tls-cert {one.cert}"):
+        TlsConfig(tls_cert=str(one.cert), tls_key=str(other.key))
+    with pytest.raises(ValueError, match=f"--tls-key {one.cert} holds no PEM private key"):
+        TlsConfig(tls_cert=str(one.cert), tls_key=str(one.cert))
+    with pytest.raises(ValueError, match=f"--tls-cert {one.key} holds no readable PEM certificate"):
+        TlsConfig(tls_cert=str(one.key), tls_key=str(one.key))
+    with pytest.raises(ValueError, match=f"--tls-ca {one.key} holds no readable PEM certificate"):
+        TlsConfig(tls_ca=str(one.key))
+    encrypted = tmp_path / "encrypted.key"
+    encrypted.write_bytes(_encrypted_pem(one.key))
+    with pytest.raises(ValueError, match=f"--tls-key {encrypted} is encrypted"):
+        TlsConfig(tls_cert=str(one.cert), tls_key=str(encrypted))
+
+
+def _encrypted_pem(key_path) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.BestAvailableEncryption(b"passphrase"))
+
+
+def test_a_blank_api_token_in_the_environment_is_refused_not_an_open_api():
+    for blank in ("", " ", "\n"):
+        with pytest.raises(ValueError, match="PDSERVE_API_TOKEN is set but blank"):
+            ApiAuthConfig().load({"PDSERVE_API_TOKEN": blank})
+    assert ApiAuthConfig().load({"PDSERVE_API_TOKEN": " tok\n"}) == "tok"
+    assert ApiAuthConfig().load({}) is None
+
+
+def test_a_binary_handle_key_file_is_refused_naming_the_flag_and_the_file(tmp_path):
+    binary = tmp_path / "binary.key"
+    binary.write_bytes(bytes(range(256))[-64:])  # not UTF-8, as `head -c 32 /dev/urandom` mostly is
+    with pytest.raises(ValueError, match=f"--kv-handle-key-file {binary} is not UTF-8 text.*at least 16 bytes"):
+        HandleKeyConfig(kv_handle_key_file=str(binary)).load({})
+    text = tmp_path / "text.key"
+    text.write_text("ab" * 16 + "\n")
+    assert HandleKeyConfig(kv_handle_key_file=str(text)).load({}) == b"ab" * 16

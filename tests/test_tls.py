@@ -10,6 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from certs import CertificateAuthority
+from pdserve.client import AsyncPdserveClient, PdserveClient
 from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
 from shared.serving.api_auth import ApiAuthConfig, BearerTokenInterceptor, bearer_metadata
 from shared.serving.grpc_server import GrpcServer, ServerOptions
@@ -45,11 +46,16 @@ async def _generate(channel: grpc.aio.Channel, token: str | None) -> list[int]:
     return [t async for m in stub.Generate(request, timeout=5, metadata=bearer_metadata(token)) for t in m.token_ids]
 
 
+def _echo_server(tls: TlsConfig, token: str | None = None) -> GrpcServer:
+    interceptors = [BearerTokenInterceptor(token)] if token else []
+    server = GrpcServer(ServerOptions(grace_seconds=0, tls=tls), interceptors)
+    server.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, EchoGenerate(), SERVICE)
+    return server
+
+
 def _run(pki, *, mutual: bool, token: str | None, scenario):
     async def main():
-        interceptors = [BearerTokenInterceptor(token)] if token else []
-        server = GrpcServer(ServerOptions(grace_seconds=0, tls=_server_tls(pki, mutual=mutual)), interceptors)
-        server.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, EchoGenerate(), SERVICE)
+        server = _echo_server(_server_tls(pki, mutual=mutual), token)
         await server.start()
         try:
             await scenario(server.address)
@@ -99,6 +105,11 @@ def test_bearer_token_missing_or_wrong_is_unauthenticated_and_health_stays_open(
             assert await _generate(channel, TOKEN) == [1, 2, 3]
             for token in (None, "wrong"):
                 assert await _code_of(_generate(channel, token)) == grpc.StatusCode.UNAUTHENTICATED, token
+            # The scheme in any case (RFC 7235), as over HTTP.
+            lower = (("authorization", f"bearer {TOKEN}"),)
+            stub = generate_pb2_grpc.GenerateServiceStub(channel)
+            request = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[4]))
+            assert [m.token_ids[0] async for m in stub.Generate(request, timeout=5, metadata=lower)] == [4]
             health = health_pb2_grpc.HealthStub(channel)
             answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING  # answered, no token needed
@@ -119,3 +130,53 @@ def test_tls_settings_are_checked_where_they_are_given(tmp_path, pki):
     assert ApiAuthConfig(api_token_file=str(token_file)).load({}) == TOKEN
     assert ApiAuthConfig().load({"PDSERVE_API_TOKEN": "abc"}) == "abc"
     assert ApiAuthConfig().load({}) is None
+
+
+def test_the_python_clients_strip_a_token_read_from_a_file(pki, tmp_path):
+    """A token read with open(f).read() ends in a newline; the servers strip theirs, the clients too."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\r\n")
+
+    async def scenario(address):
+        tls = _client(pki, "client")
+        async with AsyncPdserveClient(address, tls=tls, api_token=token_file.read_text()) as client:
+            assert [t async for chunk in client.generate([1, 2], timeout=5) for t in chunk.token_ids] == [1, 2]
+
+        def blocking() -> list[int]:
+            with PdserveClient(address, tls=tls, api_token=f" {TOKEN}\n") as client:
+                return [t for chunk in client.generate([3], timeout=5) for t in chunk.token_ids]
+
+        assert await asyncio.to_thread(blocking) == [3]
+
+    _run(pki, mutual=True, token=TOKEN, scenario=scenario)
+
+
+def test_a_client_ca_only_the_router_trusts_keeps_client_certificates_off_the_pods(tmp_path):
+    """One CA for the services, another for clients: the router's --tls-ca holds both (it checks clients
+    and pods with it), the pods' only the services' CA. A client certificate then reaches the router and
+    not the pods, while the router's own certificate still reaches them."""
+    services, clients = CertificateAuthority(tmp_path, "service-ca"), CertificateAuthority(tmp_path, "client-ca")
+    both = tmp_path / "router-ca.pem"
+    both.write_bytes(services.cert_path.read_bytes() + clients.cert_path.read_bytes())
+    router_cert, pod_cert, client_cert = services.issue("router"), services.issue("pod"), clients.issue("client")
+    router_tls = TlsConfig(tls_cert=str(router_cert.cert), tls_key=str(router_cert.key), tls_ca=str(both))
+    pod_tls = TlsConfig(tls_cert=str(pod_cert.cert), tls_key=str(pod_cert.key), tls_ca=str(services.cert_path))
+    client_tls = TlsConfig(tls_cert=str(client_cert.cert), tls_key=str(client_cert.key),
+                           tls_ca=str(services.cert_path))
+
+    async def main():
+        router, pod = _echo_server(router_tls), _echo_server(pod_tls)
+        await router.start()
+        await pod.start()
+        try:
+            async with client_tls.aio_channel(router.address) as channel:
+                assert await _generate(channel, None) == [1, 2, 3]
+            async with router_tls.aio_channel(pod.address) as channel:  # the router's (and a pod's) hop
+                assert await _generate(channel, None) == [1, 2, 3]
+            async with client_tls.aio_channel(pod.address) as channel:
+                assert await _code_of(_generate(channel, None)) == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await router.stop(0)
+            await pod.stop(0)
+
+    asyncio.run(main())

@@ -1,14 +1,18 @@
 """The split system with mutual TLS on every hop and a bearer token on the router: a client with a
 certificate and the token is served (and decode pulled the KV from prefill over TLS), plaintext and
-certificate-less clients are refused, a missing or wrong token is UNAUTHENTICATED, and the CLI speaks it."""
+certificate-less clients are refused, a missing or wrong token is UNAUTHENTICATED, and the CLI speaks it.
+The router's HTTP API serves HTTPS with the same certificate and mTLS."""
 from __future__ import annotations
 
 import os
+import ssl
 import subprocess
 import sys
 import urllib.request
 
 import grpc
+import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -115,3 +119,21 @@ def test_health_probe_command_speaks_mtls(secured):
     assert done.returncode == 0 and "SERVING" in done.stdout, done.stderr
     done = subprocess.run(base, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "UNAVAILABLE" in done.stderr
+
+
+def test_router_http_api_is_https_with_mtls_and_the_token(secured):
+    cluster, client_tls, ca, _ = secured
+    assert cluster.router.http_url.startswith("https://")
+    with_cert = ssl.create_default_context(cafile=str(ca.cert_path))
+    with_cert.load_cert_chain(client_tls.tls_cert, client_tls.tls_key)
+    with openai.OpenAI(base_url=cluster.router.http_url, api_key=TOKEN, max_retries=0, timeout=60,
+                       http_client=httpx.Client(verify=with_cert)) as client:
+        answer = client.completions.create(model="pdserve", prompt=PROMPT, max_tokens=3, extra_body={"ignore_eos": True})
+        assert answer.usage.completion_tokens == 3
+    no_cert = ssl.create_default_context(cafile=str(ca.cert_path))
+    plain_url = cluster.router.http_url.replace("https://", "http://")
+    for url, verify in ((cluster.router.http_url, no_cert), (plain_url, True)):
+        with openai.OpenAI(base_url=url, api_key=TOKEN, max_retries=0, timeout=10,
+                           http_client=httpx.Client(verify=verify)) as refused:
+            with pytest.raises(openai.APIConnectionError):
+                refused.models.list()

@@ -1,6 +1,6 @@
-"""The optional bearer token on the public Generate API (router, colocated pod): where the token comes
-from, and the server interceptor that answers a call without it UNAUTHENTICATED. Health and reflection
-stay open (probes and tools carry no token)."""
+"""The optional bearer token on the public Generate API (router, colocated pod; gRPC and HTTP): where the
+token comes from, the check of an authorization value, and the server interceptor that answers a call
+without it UNAUTHENTICATED. Health and reflection stay open (probes and tools carry no token)."""
 from __future__ import annotations
 
 import hmac
@@ -38,7 +38,29 @@ class ApiAuthConfig:
             if not token:
                 raise ValueError(f"--api-token-file {self.api_token_file} is empty")
             return token
-        return env.get(TOKEN_ENV_VAR, "").strip() or None
+        if TOKEN_ENV_VAR not in env:
+            return None
+        token = env[TOKEN_ENV_VAR].strip()
+        if not token:
+            # Set but blank is a mistake (an empty Secret, say), not a wish to leave the API open.
+            raise ValueError(f"{TOKEN_ENV_VAR} is set but blank: give it a token, or unset it to leave the "
+                             "public API open")
+        return token
+
+
+def log_token_requirement(token: str | None) -> None:
+    """The start-up line saying whether the public API needs a token (never the token itself)."""
+    if token is None:
+        logger.info("the public API (Generate, HTTP /v1) is open: no bearer token required")
+    else:
+        logger.info("the public API (Generate, HTTP /v1) requires a bearer token")
+
+
+def bearer_matches(given: bytes, token: str) -> bool:
+    """Whether an authorization value is 'Bearer <token>': the scheme in any case (RFC 7235), the token
+    compared in constant time (no timing hints at how much of a guess was right)."""
+    scheme, _, credentials = given.strip().partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), token.encode())
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -50,12 +72,12 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Answers a public-API call UNAUTHENTICATED unless it carries 'authorization: Bearer <token>'."""
 
     def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
+        self._token = token
 
     def _is_authorized(self, metadata) -> bool:
         given = next((value for key, value in metadata or () if key == "authorization"), "")
         given = given.encode() if isinstance(given, str) else given
-        return hmac.compare_digest(given, self._expected)
+        return bearer_matches(given, self._token)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)

@@ -72,21 +72,49 @@ class ChatTemplate:
         return cls(source, special_tokens)
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
-               variables: Mapping[str, Any] | None = None) -> str:
+               continue_final_message: bool = False, variables: Mapping[str, Any] | None = None) -> str:
         """The prompt text; variables (vLLM's chat_template_kwargs) override the special tokens, as in
-        transformers, and add_generation_prompt, as in vLLM; never the messages."""
+        transformers, and add_generation_prompt, as in vLLM; never the messages. continue_final_message:
+        the text ends inside the last message (its content continues), as transformers cuts it."""
         variables = dict(variables or {})
         if "messages" in variables:
             raise ChatTemplateError("chat_template_kwargs may not set messages")
         context = {"tools": None, "documents": None, **self._special_tokens,
                    "add_generation_prompt": add_generation_prompt, **variables}
         context["messages"] = [_template_message(message) for message in messages]
+        if not continue_final_message:
+            return self._render(context)
+        if context["add_generation_prompt"]:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true")
+        final = context["messages"][-1] if context["messages"] else {}
+        if not isinstance(final.get("content"), str) or not final["content"]:
+            raise ChatTemplateError("continue_final_message needs a last message with text content to continue")
+        context["messages"][-1] = {**final, "content": final["content"] + _CONTINUE_TAG}
+        return _cut_at_continue_tag(self._render(context), final["content"])
+
+    def _render(self, context: dict[str, Any]) -> str:
         try:
             return self._template.render(context)  # a dict: any key, "self" included, is a template variable
         except ChatTemplateError:
             raise
         except Exception as exc:  # noqa: BLE001 - checkpoint code run on client input: any failure refuses the input
             raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None
+
+
+# transformers' marker after the content to continue: the rendered text is cut where it shows.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _cut_at_continue_tag(rendered: str, final_content: str) -> str:
+    """The text up to the end of the last message's content (transformers' rule, spacing included)."""
+    tag = _CONTINUE_TAG.strip()
+    if final_content.strip() not in rendered or tag not in rendered:
+        raise ChatTemplateError("continue_final_message: the chat template does not keep the last message's "
+                                "content, so there is nothing to continue")
+    at = rendered.rindex(tag)
+    if rendered[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()  # the template trimmed the spacing after the content
 
 
 # ---- loading ----------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ import json
 import logging
 import math
 import socket
+import ssl
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -27,11 +29,13 @@ from starlette.routing import Route
 from proto.pdserve.v1 import generate_pb2
 from shared.engine.request import FinishReason, TokenLogprobs
 from shared.serving import convert, openai_protocol as oai
+from shared.serving.api_auth import bearer_matches
 from shared.serving.chat_template import ChatTemplateError
 from shared.serving.outcomes import RETRY_AFTER_KEY, InvalidRequest, invalid_on_value_error
 from shared.serving.settings import setting
 from shared.serving.telemetry import HttpTracingMiddleware
 from shared.serving.text import TextCodec
+from shared.serving.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -334,9 +338,9 @@ class HttpFront:
     def _generate_request_of(self, body: dict[str, Any], is_chat: bool) -> tuple[generate_pb2.GenerateRequest, _Request]:
         default_max_tokens = oai.COMPLETIONS_DEFAULT_MAX_TOKENS
         if is_chat:
-            oai.check_fields(body, ("messages", "chat_template_kwargs", "add_generation_prompt", "logprobs",
-                                    "top_logprobs"))
-            prompt: str | list[int] = self._chat_prompt(oai.chat_messages(body), *oai.chat_template_options(body))
+            oai.check_fields(body, ("messages", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+                                    "logprobs", "top_logprobs"))
+            prompt: str | list[int] = self._chat_prompt(oai.chat_messages(body), oai.chat_template_options(body))
             default_max_tokens = self._rest_of_context(len(prompt))
         else:
             oai.check_fields(body, ("prompt", "logprobs"))
@@ -369,13 +373,12 @@ class HttpFront:
             return [f"token_id:{token_id}" for token_id in token_ids]
         return codec.token_texts(token_ids)
 
-    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool, variables: dict[str, Any]) -> list[int]:
+    def _chat_prompt(self, messages: list[dict], options: oai.ChatTemplateOptions) -> list[int]:
         codec = self._codec()
         if codec is None:
             raise InvalidRequest("chat needs a tokenizer with a chat template: start the server with --tokenizer")
         try:
-            return codec.encode_chat(messages, add_generation_prompt=add_generation_prompt,
-                                     template_variables=variables)
+            return codec.encode_chat(messages, **dataclasses.asdict(options))
         except ChatTemplateError as exc:  # no template, or the template refused the messages
             raise InvalidRequest(f"chat template: {exc}") from None
 
@@ -422,7 +425,10 @@ class HttpFront:
     def _check_key(self, request: Request) -> Response | None:
         if self._api_key is None:
             return None
-        if request.headers.get("authorization", "") != f"Bearer {self._api_key}":
+        # Starlette decodes header values as latin-1: encoding them back gives the bytes that were sent.
+        given = request.headers.get("authorization", "").encode("latin-1")
+        if not bearer_matches(given, self._api_key):
+            logger.warning("refused %s %s: missing or wrong bearer token", request.method, request.url.path)
             return _error(401, "authentication_error", "missing or wrong API key (Authorization: Bearer ...)")
         return None
 
@@ -507,12 +513,26 @@ class _Uvicorn(uvicorn.Server):
         return contextlib.nullcontext()
 
 
-class HttpServer:
-    """uvicorn serving an app on the running event loop."""
+def _uvicorn_tls(tls: TlsConfig) -> dict[str, Any]:
+    """uvicorn's TLS settings for a service's TlsConfig, the same rule as its gRPC servers: HTTPS with its
+    certificate when it has TLS on, and client certificates required and checked against --tls-ca when
+    that is given (mTLS). Plain HTTP when TLS is off."""
+    tls.require_server_certificate()
+    if not tls.is_enabled:
+        return {}
+    options: dict[str, Any] = dict(ssl_certfile=tls.tls_cert, ssl_keyfile=tls.tls_key)
+    if tls.tls_ca:
+        options.update(ssl_ca_certs=tls.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return options
 
-    def __init__(self, app, host: str, port: int):
+
+class HttpServer:
+    """uvicorn serving an app on the running event loop; HTTPS (and mTLS) when tls says so."""
+
+    def __init__(self, app, host: str, port: int, tls: TlsConfig = TlsConfig()):
         self._app = app
         self.host = host
+        self._tls_options = _uvicorn_tls(tls)  # checked before the port is bound
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -527,11 +547,12 @@ class HttpServer:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        scheme = "https" if self._tls_options else "http"
+        return f"{scheme}://{host}:{self.port}"
 
     async def start(self) -> None:
         config = uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, **self._tls_options)
         self._server = _Uvicorn(config)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[self._socket]))
         while not self._server.started:

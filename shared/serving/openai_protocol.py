@@ -7,7 +7,7 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from shared.engine.request import (
@@ -293,15 +293,28 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
-def chat_template_options(body: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
-    """(add_generation_prompt, chat_template_kwargs), as vLLM takes them."""
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """vLLM's chat request fields for the template (their defaults are vLLM's)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_variables: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
+
+
+def chat_template_options(body: dict[str, Any]) -> ChatTemplateOptions:
     add_generation_prompt = body.get("add_generation_prompt")
-    add_generation_prompt = True if add_generation_prompt is None else _boolean("add_generation_prompt",
-                                                                                 add_generation_prompt)
+    continue_final_message = body.get("continue_final_message")
     variables = body.get("chat_template_kwargs") or {}
     if not isinstance(variables, dict):
         raise InvalidRequest(f"chat_template_kwargs must be an object, got {_shortened(variables)}")
-    return add_generation_prompt, variables
+    return ChatTemplateOptions(
+        add_generation_prompt=True if add_generation_prompt is None else _boolean("add_generation_prompt",
+                                                                                  add_generation_prompt),
+        continue_final_message=continue_final_message is not None and _boolean("continue_final_message",
+                                                                               continue_final_message),
+        template_variables=variables,
+    )
 
 
 # ---- responses --------------------------------------------------------------------------------
