@@ -69,3 +69,18 @@ class CertificateAuthority:
         files.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         _write_key(key, files.key)
         return files
+
+
+def make_pki(directory: Path) -> dict:
+    """A CA with a server and a client certificate, and a client certificate of another CA."""
+    ca = CertificateAuthority(directory)
+    rogue = CertificateAuthority(directory, name="rogue-ca")
+    return dict(ca=ca, server=ca.issue("server"), client=ca.issue("client"), rogue_client=rogue.issue("rogue"))
+
+
+def server_tls(pki: dict, *, mutual: bool):
+    """The TlsConfig of a server with pki's server certificate (requiring client certificates when mutual)."""
+    from shared.serving.tls import TlsConfig
+
+    return TlsConfig(tls_cert=str(pki["server"].cert), tls_key=str(pki["server"].key),
+                     tls_ca=str(pki["ca"].cert_path) if mutual else "")

@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from certs import CertificateAuthority
+from certs import make_pki, server_tls
 from proto.pdserve.v1 import common_pb2, generate_pb2
 from shared.serving.http_api import HttpFront, HttpServer
 from shared.serving.tls import TlsConfig
@@ -27,15 +27,7 @@ TOKEN = "https-token-0123"
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("pki")
-    ca = CertificateAuthority(directory)
-    rogue = CertificateAuthority(directory, name="rogue-ca")
-    return dict(ca=ca, server=ca.issue("server"), client=ca.issue("client"), rogue_client=rogue.issue("rogue"))
-
-
-def _server_tls(pki, *, mutual: bool) -> TlsConfig:
-    return TlsConfig(tls_cert=str(pki["server"].cert), tls_key=str(pki["server"].key),
-                     tls_ca=str(pki["ca"].cert_path) if mutual else "")
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 async def _echo(request: generate_pb2.GenerateRequest, context):
@@ -77,7 +69,7 @@ async def _complete(client: openai.AsyncOpenAI) -> str:
 
 def test_https_serves_the_openai_client_with_the_services_certificate_and_refuses_plain_http(pki):
     async def scenario():
-        async with _serving(_server_tls(pki, mutual=False)) as url:
+        async with _serving(server_tls(pki, mutual=False)) as url:
             assert url.startswith("https://")
             async with _openai(url, _client_context(pki, None)) as client:
                 assert await _complete(client) == "echo"
@@ -91,7 +83,7 @@ def test_https_serves_the_openai_client_with_the_services_certificate_and_refuse
 
 def test_mtls_refuses_clients_without_a_certificate_of_its_ca(pki):
     async def scenario():
-        async with _serving(_server_tls(pki, mutual=True)) as url:
+        async with _serving(server_tls(pki, mutual=True)) as url:
             async with _openai(url, _client_context(pki, "client")) as client:
                 assert await _complete(client) == "echo"
             for name in (None, "rogue_client"):

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from certs import CertificateAuthority
+from certs import CertificateAuthority, make_pki, server_tls
 from pdserve.client import AsyncPdserveClient, PdserveClient
 from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
 from shared.serving.api_auth import ApiAuthConfig, BearerTokenInterceptor, bearer_metadata
@@ -29,15 +29,7 @@ class EchoGenerate(generate_pb2_grpc.GenerateServiceServicer):
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("pki")
-    ca = CertificateAuthority(directory)
-    rogue = CertificateAuthority(directory, name="rogue-ca")
-    return dict(ca=ca, server=ca.issue("server"), client=ca.issue("client"), rogue_client=rogue.issue("rogue"))
-
-
-def _server_tls(pki, *, mutual: bool) -> TlsConfig:
-    return TlsConfig(tls_cert=str(pki["server"].cert), tls_key=str(pki["server"].key),
-                     tls_ca=str(pki["ca"].cert_path) if mutual else "")
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 async def _generate(channel: grpc.aio.Channel, token: str | None) -> list[int]:
@@ -55,7 +47,7 @@ def _echo_server(tls: TlsConfig, token: str | None = None) -> GrpcServer:
 
 def _run(pki, *, mutual: bool, token: str | None, scenario):
     async def main():
-        server = _echo_server(_server_tls(pki, mutual=mutual), token)
+        server = _echo_server(server_tls(pki, mutual=mutual), token)
         await server.start()
         try:
             await scenario(server.address)
