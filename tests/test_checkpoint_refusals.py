@@ -122,8 +122,10 @@ def test_generation_config_from_a_folder_and_overrides(checkpoint, tmp_path):
     assert greedy.sampling_params().is_greedy and greedy.sampling["max_tokens"] == 12
     only = load_model(path, generation_config="vllm", generation_overrides={"top_k": 8}).generation
     assert only.sampling == {"top_k": 8}
-    with pytest.raises(ValueError, match="min_p cannot be set"):
-        load_model(path, generation_overrides={"min_p": 0.1})
+    assert load_model(path, generation_config="vllm", generation_overrides={"min_p": 0.1}).generation.sampling == {
+        "min_p": 0.1}
+    with pytest.raises(ValueError, match="typical_p cannot be set"):
+        load_model(path, generation_overrides={"typical_p": 0.9})
     with pytest.raises(ValueError, match="is neither"):
         load_model(path, generation_config=str(tmp_path / "missing"))
 

@@ -31,10 +31,10 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 def test_sampling_fields_map_onto_sampling_params():
     params = oai.sampling_params_from_openai({
-        "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "seed": 3, "stop_token_ids": [9, 11],
-        "ignore_eos": True,
+        "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 3,
+        "stop_token_ids": [9, 11], "ignore_eos": True,
     })
-    assert params == SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3,
+    assert params == SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=3,
                                     stop_token_ids=(9, 11), ignore_eos=True, unset={"repetition_penalty"})
     # Where the request is silent: the model's defaults (filled by the pod), else OpenAI's (completions'
     # max_tokens is 16 as if sent, as in vLLM); vLLM's top_k -1 is "off"; chat's newer max name.
@@ -74,7 +74,7 @@ def test_sampling_options_map_onto_sampling_params():
     })
     assert params == SamplingParams(
         temperature=1.0, max_tokens=9, stop=("\n",), presence_penalty=0.5, frequency_penalty=-0.5,
-        repetition_penalty=1.2, min_tokens=2, logit_bias={17: 5.0}, unset={"temperature", "top_p", "top_k"},
+        repetition_penalty=1.2, min_tokens=2, logit_bias={17: 5.0}, unset={"temperature", "top_p", "top_k", "min_p"},
         structured_output=StructuredOutputSpec(json_schema=json.dumps(schema)),
     )
     assert oai.sampling_params_from_openai({"response_format": {"type": "json_object"}}).structured_output == \

@@ -68,7 +68,7 @@ def test_mixed_filters_are_batch_independent_and_match_the_row_alone(monkeypatch
     params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
               SamplingParams(temperature=0.9, top_p=0.5), SamplingParams(),
               SamplingParams(temperature=1.0, top_k=40, top_p=0.8), SamplingParams(temperature=1.0, top_p=0.95),
-              SamplingParams(temperature=0.5, top_k=1), SamplingParams(temperature=2.0, top_p=0.3)]
+              SamplingParams(temperature=0.5, top_k=1), SamplingParams(temperature=2.0, top_p=0.3, min_p=0.1)]
     for position in range(20):
         seeds, positions = list(range(8)), [position] * 8
         batch = sample(logits, params, seeds, positions)
@@ -85,6 +85,16 @@ def test_top_k_restricts_support():
     probs = _probs(logits, params)
     assert set(probs.nonzero().flatten().tolist()) == allowed
     assert all(sample_row(logits, params, 5, pos) in allowed for pos in range(200))
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_most_likely_after_temperature():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    probs = _probs(logits, SamplingParams(temperature=1.0, min_p=0.4))  # floor: 0.2
+    assert probs.nonzero().flatten().tolist() == [0, 1]
+    torch.testing.assert_close(probs[:2] / probs.sum(), torch.tensor([0.625, 0.375]))
+    # A higher temperature flattens the row first, so the same min_p keeps more (vLLM's order).
+    assert _probs(logits, SamplingParams(temperature=3.0, min_p=0.5)).nonzero().flatten().tolist() == [0, 1, 2]
+    assert _probs(logits, SamplingParams(temperature=1.0, min_p=0.0)).count_nonzero() == 4
 
 
 def test_top_p_keeps_smallest_nucleus():

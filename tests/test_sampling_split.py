@@ -118,6 +118,7 @@ def test_stop_string_across_token_boundaries(systems):
     dict(min_tokens=5, logit_bias={EOS_TOKEN_ID: 40.0, 300: 3.0}),
     dict(temperature=0.9, top_p=0.9, seed=1234, frequency_penalty=0.5),
     dict(logprobs=3, temperature=1.0, seed=99),
+    dict(temperature=1.5, min_p=0.2, top_k=50, seed=7),
 ])
 def test_penalties_bias_logprobs_and_seeds_match_colocated(systems, options):
     split, whole = _both(systems, max_tokens=10, **options)

@@ -76,7 +76,7 @@ def test_generation_config_takes_a_folder_and_overrides_as_vllms_flags(tmp_path)
     assert config.generation_overrides == {"top_k": 5, "do_sample": True}
     for flags, refusal in [
         (["--generation-config", str(tmp_path / "nowhere")], "a folder holding a generation_config.json"),
-        (["--override-generation-config", '{"min_p": 0.05}'], "min_p cannot be set"),
+        (["--override-generation-config", '{"typical_p": 0.9}'], "typical_p cannot be set"),
         (["--override-generation-config", '{"top_p": 0}'], "top_p must be in"),
         (["--override-generation-config", "temperature=0.5"], "not JSON"),
     ]:

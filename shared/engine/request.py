@@ -26,7 +26,7 @@ MAX_STOP_STRING_CHARS = 256
 DEFAULT_MAX_TOKENS = 16  # max_tokens when neither the request nor the model names one
 # The fields a model's generation_config.json may give defaults for (vLLM's --generation-config auto);
 # max_tokens is its max_new_tokens.
-MODEL_DEFAULT_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "repetition_penalty"})
+MODEL_DEFAULT_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty"})
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 means greedy
     top_k: int = 0  # 0 means no top-k filter
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability; 0 means off
     seed: int | None = None
     prompt_logprobs: int | None = None
     # Text that ends the request; cut from the output text unless include_stop_str_in_output.
@@ -78,6 +79,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 = off), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS:

@@ -159,7 +159,7 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams | None) -> Sam
         kwargs["temperature"] = message.fallback_temperature
     if "max_tokens" in kwargs["unset"]:
         kwargs["max_tokens"] = message.fallback_max_tokens or DEFAULT_MAX_TOKENS
-    floats = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+    floats = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
     not_numbers = [name for name in floats if name in kwargs and math.isnan(kwargs[name])]
     not_numbers += [f"logit_bias[{token}]" for token, bias in kwargs["logit_bias"].items() if math.isnan(bias)]
     if not_numbers:

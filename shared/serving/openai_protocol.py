@@ -135,6 +135,7 @@ SAMPLING_FIELDS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "temperature": ("temperature", _number),
     "top_p": ("top_p", _number),
     "top_k": ("top_k", _top_k),
+    "min_p": ("min_p", _number),
     "seed": ("seed", _integer),
     "stop_token_ids": ("stop_token_ids", _token_ids),
     "ignore_eos": ("ignore_eos", _boolean),
@@ -157,7 +158,7 @@ SAMPLING_FIELDS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
 # request may carry that value; any other is refused with 400 rather than silently ignored).
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "best_of": 1, "echo": False, "suffix": None,
-    "tools": None, "tool_choice": None, "min_p": 0, "functions": None, "function_call": None,
+    "tools": None, "tool_choice": None, "functions": None, "function_call": None,
     "reasoning_effort": None, "modalities": ["text"], "audio": None, "prediction": None,
     "web_search_options": None, "verbosity": None,
 }

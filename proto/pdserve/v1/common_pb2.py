@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dproto/pdserve/v1/common.proto\x12\npdserve.v1\"\xea\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x02 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x08 \x01(\rH\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x07\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\rH\x08\x88\x01\x01\x12\x37\n\x11structured_output\x18\x12 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x1c\n\x14\x66\x61llback_temperature\x18\x13 \x01(\x01\x12\x1b\n\x13\x66\x61llback_max_tokens\x18\x14 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x04\n\x02_n\"l\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"W\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"}\n\x08KvLayout\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\"\xe0\x01\n\x08KvHandle\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x16\n\x0esource_address\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12$\n\x06layout\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\x12\x1e\n\x16lease_deadline_unix_ms\x18\x07 \x01(\x04\x12\x15\n\rprompt_digest\x18\x08 \x01(\x0c\x12\x11\n\tsignature\x18\t \x01(\x0c\"\xd0\x01\n\nLoadReport\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_held_blocks\x18\x05 \x01(\r\x12\x15\n\ris_overloaded\x18\x06 \x01(\x08\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x1e\n\x16max_requests_in_flight\x18\x08 \x01(\r\"\x10\n\x0eGetLoadRequest\"J\n\x0fGetLoadResponse\x12$\n\x04load\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.LoadReport\x12\x11\n\tengine_id\x18\x02 \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dproto/pdserve/v1/common.proto\x12\npdserve.v1\"\x88\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x02 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x08 \x01(\rH\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x07\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\rH\x08\x88\x01\x01\x12\x37\n\x11structured_output\x18\x12 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x1c\n\x14\x66\x61llback_temperature\x18\x13 \x01(\x01\x12\x1b\n\x13\x66\x61llback_max_tokens\x18\x14 \x01(\r\x12\x12\n\x05min_p\x18\x15 \x01(\x01H\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x04\n\x02_nB\x08\n\x06_min_p\"l\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"W\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"}\n\x08KvLayout\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\"\xe0\x01\n\x08KvHandle\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x16\n\x0esource_address\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12$\n\x06layout\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\x12\x1e\n\x16lease_deadline_unix_ms\x18\x07 \x01(\x04\x12\x15\n\rprompt_digest\x18\x08 \x01(\x0c\x12\x11\n\tsignature\x18\t \x01(\x0c\"\xd0\x01\n\nLoadReport\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_held_blocks\x18\x05 \x01(\r\x12\x15\n\ris_overloaded\x18\x06 \x01(\x08\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x1e\n\x16max_requests_in_flight\x18\x08 \x01(\r\"\x10\n\x0eGetLoadRequest\"J\n\x0fGetLoadResponse\x12$\n\x04load\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.LoadReport\x12\x11\n\tengine_id\x18\x02 \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,26 +33,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1702
-  _globals['_FINISHREASON']._serialized_end=1847
+  _globals['_FINISHREASON']._serialized_start=1732
+  _globals['_FINISHREASON']._serialized_end=1877
   _globals['_SAMPLINGPARAMS']._serialized_start=46
-  _globals['_SAMPLINGPARAMS']._serialized_end=792
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=622
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=670
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=794
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=902
-  _globals['_TOPLOGPROB']._serialized_start=904
-  _globals['_TOPLOGPROB']._serialized_end=951
-  _globals['_TOKENLOGPROBS']._serialized_start=953
-  _globals['_TOKENLOGPROBS']._serialized_end=1040
-  _globals['_KVLAYOUT']._serialized_start=1042
-  _globals['_KVLAYOUT']._serialized_end=1167
-  _globals['_KVHANDLE']._serialized_start=1170
-  _globals['_KVHANDLE']._serialized_end=1394
-  _globals['_LOADREPORT']._serialized_start=1397
-  _globals['_LOADREPORT']._serialized_end=1605
-  _globals['_GETLOADREQUEST']._serialized_start=1607
-  _globals['_GETLOADREQUEST']._serialized_end=1623
-  _globals['_GETLOADRESPONSE']._serialized_start=1625
-  _globals['_GETLOADRESPONSE']._serialized_end=1699
+  _globals['_SAMPLINGPARAMS']._serialized_end=822
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=642
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=690
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=824
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=932
+  _globals['_TOPLOGPROB']._serialized_start=934
+  _globals['_TOPLOGPROB']._serialized_end=981
+  _globals['_TOKENLOGPROBS']._serialized_start=983
+  _globals['_TOKENLOGPROBS']._serialized_end=1070
+  _globals['_KVLAYOUT']._serialized_start=1072
+  _globals['_KVLAYOUT']._serialized_end=1197
+  _globals['_KVHANDLE']._serialized_start=1200
+  _globals['_KVHANDLE']._serialized_end=1424
+  _globals['_LOADREPORT']._serialized_start=1427
+  _globals['_LOADREPORT']._serialized_end=1635
+  _globals['_GETLOADREQUEST']._serialized_start=1637
+  _globals['_GETLOADREQUEST']._serialized_end=1653
+  _globals['_GETLOADRESPONSE']._serialized_start=1655
+  _globals['_GETLOADRESPONSE']._serialized_end=1729
 # @@protoc_insertion_point(module_scope)

@@ -2,7 +2,7 @@
 
 config.json and generation_config.json may both list EOS ids (Llama-3.1-Instruct lists three); any of
 them ends a request, as in transformers' generate() and vLLM. Under vLLM's `--generation-config auto`
-(the default), generation_config.json's max_new_tokens, temperature, top_p, top_k and repetition_penalty
+(the default), generation_config.json's max_new_tokens, temperature, top_p, top_k, min_p and repetition_penalty
 replace the fields a request leaves unset (SamplingParams.unset), on every path (the pods fill them
 before anything reads max_tokens, LLMEngine.add_request fills the rest); do_sample false there means
 greedy, as transformers reads it. max_new_tokens is a default, not a cap, as in vLLM since its PR 34063
@@ -31,7 +31,7 @@ GENERATION_CONFIG_AUTO = "auto"
 GENERATION_CONFIG_VLLM = "vllm"
 GENERATION_CONFIG_CHOICES = (GENERATION_CONFIG_AUTO, GENERATION_CONFIG_VLLM)  # or a folder's path
 # The generation_config.json fields requests take defaults from: what an override may set.
-OVERRIDABLE_FIELDS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty")
+OVERRIDABLE_FIELDS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # Sampling settings a generation_config.json may recommend that requests do not take from it (min_p and
 # typical_p: SamplingParams has no such field; the penalties: vLLM does not default them either).
 _UNSUPPORTED_SAMPLING = ("min_p", "typical_p", "presence_penalty", "frequency_penalty")
@@ -43,6 +43,7 @@ FIELD_TYPES: dict[str, tuple[str, ...]] = {
     "temperature": ("number", "null"),
     "top_p": ("number", "null"),
     "top_k": ("integer", "null"),
+    "min_p": ("number", "null"),
     "repetition_penalty": ("number", "null"),
     "eos_token_id": ("integer", "array", "null"),
 }
@@ -165,7 +166,7 @@ def _sampling_defaults(generation: dict[str, Any]) -> dict[str, Any]:
     if generation.get("max_new_tokens") is not None:
         defaults["max_tokens"] = int(generation["max_new_tokens"])
     names = ("repetition_penalty",) if generation.get("do_sample") is False else (
-        "repetition_penalty", "temperature", "top_p", "top_k")
+        "repetition_penalty", "temperature", "top_p", "top_k", "min_p")
     for name in names:
         if generation.get(name) is not None:
             defaults[name] = int(generation[name]) if name == "top_k" else float(generation[name])

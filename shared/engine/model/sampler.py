@@ -10,6 +10,7 @@ rows of a step are drawn at once, on the logits' device.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -131,13 +132,15 @@ def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], histori
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Per row of logits [R, V]: the softmax of logits / temperature restricted to the top-k tokens, then
-    to the top-p nucleus. Not renormalised (the draw scales by each row's total): a sum over a row may
+    """Per row of logits [R, V]: the softmax of logits / temperature restricted to the tokens min_p keeps,
+    then to the top-k tokens, then to the top-p nucleus (vLLM's order). Not renormalised (the draw scales by each row's total): a sum over a row may
     be split across threads when it is the only row, and its rounding would then depend on the batch."""
     vocab = logits.shape[-1]
     device = logits.device
     temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
     scaled = logits.float() / temperatures.unsqueeze(1)
+    if any(p.min_p > 0.0 for p in params):
+        scaled = _min_p(scaled, [p.min_p for p in params])
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_k):
         ranked = scaled.topk(max(top_k), dim=-1).values  # [R, max k], most likely first
@@ -151,6 +154,14 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         top_p = torch.tensor([params[row].top_p for row in nucleus_rows], dtype=probs.dtype, device=device)
         probs = probs.index_copy(0, index, _nucleus(probs.index_select(0, index), top_p))
     return probs
+
+
+def _min_p(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """scaled [R, V] with -inf for each token whose probability is below min_p times its row's largest: in
+    logits, below the row's maximum plus log(min_p) (a row with min_p 0 keeps everything)."""
+    floors = torch.tensor([math.log(p) if p > 0.0 else float("-inf") for p in min_p], device=scaled.device)
+    threshold = scaled.max(dim=-1, keepdim=True).values + floors.unsqueeze(1)
+    return scaled.masked_fill(scaled < threshold, float("-inf"))
 
 
 def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
