@@ -114,8 +114,9 @@ def test_generation_config_from_a_folder_and_overrides(checkpoint, tmp_path):
     (path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 12}))
     folder = tmp_path / "recommended"
     folder.mkdir()
-    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_k": 5}))
-    assert load_model(path, generation_config=str(folder)).generation.sampling == {"temperature": 0.3, "top_k": 5}
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_k": 5, "min_p": 0.05}))
+    assert load_model(path, generation_config=str(folder)).generation.sampling == {
+        "temperature": 0.3, "top_k": 5, "min_p": 0.05}
     merged = load_model(path, generation_overrides={"temperature": 0.5, "repetition_penalty": 1.2}).generation
     assert merged.sampling == {"temperature": 0.5, "top_p": 0.9, "max_tokens": 12, "repetition_penalty": 1.2}
     greedy = load_model(path, generation_overrides={"do_sample": False}).generation

@@ -32,9 +32,9 @@ GENERATION_CONFIG_VLLM = "vllm"
 GENERATION_CONFIG_CHOICES = (GENERATION_CONFIG_AUTO, GENERATION_CONFIG_VLLM)  # or a folder's path
 # The generation_config.json fields requests take defaults from: what an override may set.
 OVERRIDABLE_FIELDS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-# Sampling settings a generation_config.json may recommend that requests do not take from it (min_p and
-# typical_p: SamplingParams has no such field; the penalties: vLLM does not default them either).
-_UNSUPPORTED_SAMPLING = ("min_p", "typical_p", "presence_penalty", "frequency_penalty")
+# Sampling settings a generation_config.json may recommend that requests do not take from it (typical_p:
+# SamplingParams has no such field; the penalties: vLLM does not default them either).
+_UNSUPPORTED_SAMPLING = ("typical_p", "presence_penalty", "frequency_penalty")
 _MAX_TOKENS_NOTE = " (for requests that name none, within the model's length; not a cap)"
 # The JSON types of the fields read from a generation_config.json (or given as overrides).
 FIELD_TYPES: dict[str, tuple[str, ...]] = {
