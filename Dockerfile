@@ -1,7 +1,8 @@
 # pdserve service image: one image runs every tier (`pdserve router|prefill|decode|colocated|up`).
 # Build it with scripts/build_image.sh (docker, podman or buildah), or directly:
 #   CPU:  docker build -t pdserve:0.1.0 .
-#   GPU:  docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t pdserve:0.1.0-cuda .
+#   GPU:  docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
+#           --build-arg RUNTIME_C_COMPILER="gcc libc6-dev" -t pdserve:0.1.0-cuda .
 # Two stages: the build stage has the compiler and builds the paged decode kernel into the package (a
 # real extension, setup.py); the runtime stage copies the finished virtual environment and has no
 # compiler. Dependencies are pinned by constraints.txt; torch by TORCH_VERSION from PyTorch's own index
@@ -37,10 +38,20 @@ RUN pip wheel --no-build-isolation --no-deps --wheel-dir /wheels . \
     && python -c "from shared.engine.model.kernel_build import prebuilt_library as p; assert p(), 'no prebuilt kernel'"
 
 FROM ${PYTHON_IMAGE} AS runtime
+# GPU images only: Triton compiles a small C launcher for each kernel the first time it runs, so they need a
+# C compiler (scripts/build_image.sh --gpu passes "gcc libc6-dev"; still no C++). The CPU image has none.
+ARG RUNTIME_C_COMPILER=""
+# TRITON_CACHE_DIR: Triton's compiled kernels go under ~/.cache (an emptyDir in the manifests; the root
+# filesystem, home included, is read-only).
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PATH=/opt/venv/bin:$PATH \
-    HOME=/home/pdserve
+    HOME=/home/pdserve \
+    TRITON_CACHE_DIR=/home/pdserve/.cache/triton
+RUN if [ -n "$RUNTIME_C_COMPILER" ]; then \
+        apt-get update && apt-get install -y --no-install-recommends $RUNTIME_C_COMPILER \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
 COPY --from=build /opt/venv /opt/venv
 # The same uid the Kubernetes manifests run as (runAsUser: 10001).
 RUN groupadd --gid 10001 pdserve \

