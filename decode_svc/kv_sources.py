@@ -129,10 +129,10 @@ class KvSourceCache:
             # A frozen or stopping pod does not serve READs either: that says nothing of the transport.
             logger.warning("KV transport check to prefill engine %s at %s inconclusive: the pod answers neither "
                            "the READ (%s) nor gRPC; checked again at the next request from it",
-                           source.agent_name, handle.source_address, result.error)
+                           handle.engine_id, handle.source_address, result.error)
             self._checked_engines.discard(handle.engine_id)
             return
-        TransportProbe.report(result, source)
+        TransportProbe.report(result, handle.engine_id)
         if not result.is_ok:
             self._broken_until[handle.engine_id] = time.monotonic() + RECHECK_BROKEN_PATH_S
             if self.on_probe_failure is not None:

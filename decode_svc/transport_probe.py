@@ -90,18 +90,18 @@ class TransportProbe:
         return ProbeResult(peer_address, transport, self.port_range, error)
 
     @staticmethod
-    def report(result: ProbeResult, source: KvSource) -> None:
+    def report(result: ProbeResult, engine_id: str) -> None:
         """Log a conclusive result: passed, or FAILED with what to check."""
         if result.is_ok:
             logger.info("KV transport check passed: prefill engine %s at %s reads over UCX %s",
-                        source.agent_name, result.peer_address, result.transport)
+                        engine_id, result.peer_address, result.transport)
             return
         logger.error(
             "KV transport check FAILED: a %d-byte NIXL READ from prefill engine %s at %s (UCX transport %s) did "
             "not deliver: %s. This pod recomputes the prompts of that engine instead of pulling them until a "
             "check passes; check that the prefill pod's KV port range (its --kv-port-range) is open to this pod, "
             "and this pod's (%s) to the prefill pod (NetworkPolicy, firewall)",
-            PROBE_BYTES, source.agent_name, result.peer_address, result.transport, result.error, result.port_range)
+            PROBE_BYTES, engine_id, result.peer_address, result.transport, result.error, result.port_range)
 
     def _read(self, source: KvSource) -> str | None:
         region = source.regions[0]

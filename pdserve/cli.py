@@ -57,9 +57,12 @@ def _one_line(exc: BaseException) -> str:
 def _token_ids(text: str) -> list[int]:
     """--token-ids: comma-separated integers."""
     try:
-        return [int(t) for t in text.split(",") if t.strip()]
+        ids = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        sys.exit(f"pdserve generate: --token-ids takes comma-separated integers, got {text!r}")
+        ids = [-1]
+    if any(token_id < 0 for token_id in ids):
+        sys.exit(f"pdserve generate: --token-ids takes comma-separated non-negative integers, got {text!r}")
+    return ids
 
 
 def _version() -> str:
@@ -227,7 +230,8 @@ def _run_up(args: argparse.Namespace) -> None:
             print(f"streaming a completion of {DEMO_PROMPT!r} through {cluster.router.address}:", flush=True)
             _stream(cluster.router.address, DEMO_PROMPT, dict(max_tokens=args.max_tokens, ignore_eos=True), 120.0)
             return
-        print(f"ready (Ctrl-C stops):\n  pdserve generate --prompt 'Hello'\n"
+        target = "" if cluster.router.address == DEFAULT_TARGET else f" --target {cluster.router.address}"
+        print(f"ready (Ctrl-C stops):\n  pdserve generate{target} --prompt 'Hello'\n"
               f"  curl {http_url}/chat/completions -H 'Content-Type: application/json' "
               f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], \"max_tokens\": 16}}'",
               flush=True)

@@ -448,6 +448,16 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                     backoff.hint(hint_s)
                     last_error = exc
                     continue
+                if exc.code() == grpc.StatusCode.PERMISSION_DENIED and carries_handle:
+                    # The handle came from this deployment's own prefill pod: the pods' KV handle keys
+                    # differ. The tokens so far are good; the decode pod recomputes the prompt instead.
+                    logger.error("request %s: decode pod %s refused the KV handle of prefill pod %s (%s): the "
+                                 "pods' --kv-handle-key-file / PDSERVE_KV_HANDLE_KEY differ; recomputing",
+                                 request_id, choice.address, hold.prefill_address, exc.details())
+                    self._abandon(hold)
+                    self._count_retry("decode")
+                    last_error = exc
+                    continue
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise RouteError(exc.code(), exc.details(), choice.address) from None
                 last_error = exc

@@ -98,7 +98,7 @@ def n_prompt(request):
 
 class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, fail_after=None, delay_s=0.0, overloaded=False, num_refusals=0, freeze_after=None,
-                 die_at_last=False, pull_outcome=None):
+                 die_at_last=False, pull_outcome=None, deny_handles=False):
         self.fail_after = fail_after  # abort UNAVAILABLE after this many tokens
         self.die_at_last = die_at_last  # send the last token without its finish reason, then abort UNAVAILABLE
         self.delay_s = delay_s
@@ -108,6 +108,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
         self.calls, self.time_remaining, self.cancelled = [], [], asyncio.Event()
         self.num_refused = 0
         self.pull_outcome = pull_outcome  # what the pull of a handle came to (default: pulled)
+        self.deny_handles = deny_handles  # refuse every handle, as a pod with another handle key does
 
     async def Decode(self, request, context):
         work = convert.decode_request_from_proto(request)
@@ -116,6 +117,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "simulated overload",
                                 trailing_metadata=(("retry-after-ms", "30"),))
         self.calls.append(work)
+        if self.deny_handles and work.handle is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "the handle's signature does not verify")
         self.time_remaining.append(context.time_remaining())
         outcome = (self.pull_outcome or convert.KvPullOutcome.PULLED) if work.handle else convert.KvPullOutcome.NO_HANDLE
         stats = convert.KvPullStats(128, 1, 0, 0.001, outcome)
@@ -482,6 +485,19 @@ def test_a_hold_the_decode_pod_did_not_use_is_released_by_the_router(outcome, re
             assert tokens(await cluster.generate([3], max_tokens=4)) == expected_output([3], 4)
             await cluster.servicer.drain()
         assert len(prefill.released) == released
+
+    run(scenario())
+
+
+def test_a_handle_the_decode_pod_does_not_verify_is_recomputed_not_lost():
+    # The pods' handle keys differ (a deployment mistake): the client still gets its whole output.
+    async def scenario():
+        prefill, decode = FakePrefill(), FakeDecode(deny_handles=True)
+        async with Cluster([prefill], [decode]) as cluster:
+            assert tokens(await cluster.generate([3], max_tokens=5)) == expected_output([3], 5)
+            await cluster.servicer.drain()
+        assert [call.handle is not None for call in decode.calls] == [True, False]
+        assert len(prefill.released) == 1
 
     run(scenario())
 

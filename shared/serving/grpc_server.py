@@ -364,7 +364,13 @@ async def serve_until_stopped(
     NOT_SERVING, the on_shutdown callbacks, in-flight RPCs within the grace period) and closes what
     `closers` holds, the last registered first. The stop and the closing also run when `start` fails."""
     try:
-        for line in await start():
+        try:
+            lines = await start()
+        except ValueError as exc:  # a setting or the checkpoint was refused: the message names it
+            logger.debug("start-up refused", exc_info=True)
+            logger.error("cannot start: %s", exc)
+            raise SystemExit(1) from None
+        for line in lines:
             announce(line)
         await server.serve_forever()
     finally:
