@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
 import socket
 import ssl
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
