@@ -25,7 +25,7 @@ from shared.serving import convert, fan_out, wire
 from shared.serving.output_text import OutputText
 from shared.engine.kv_transfer.handle import KvHandle, KvPullOutcome, KvPullStats
 from shared.engine.request import FinishReason, SamplingParams
-from shared.serving.outcomes import CANCELLED, ERROR, OK, RETRY_AFTER_KEY, outcome_of_code
+from shared.serving.outcomes import CANCELLED, ERROR, OK, RETRY_AFTER_KEY, outcome_of_code, prompt_too_long
 
 logger = logging.getLogger(__name__)
 
@@ -172,14 +172,11 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                              f"most {capacity} requests at once, all together (--max-requests-in-flight)")
         # Refused here rather than shipped to a pod that would refuse it (a huge prompt costs every hop).
         # An unset max_tokens is the pods' to fill (the checkpoint's max_new_tokens fits the room left).
-        max_tokens = 1 if "max_tokens" in sampling.unset else sampling.max_tokens
+        named_max_tokens = None if "max_tokens" in sampling.unset else sampling.max_tokens
         max_model_len = self.max_model_len
-        if max_model_len is not None and len(prompt_ids) + max_tokens > max_model_len:
-            raise RouteError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}; the model's "
-                f"maximum length is {max_model_len}: shorten the prompt or lower max_tokens",
-            )
+        if max_model_len is not None and len(prompt_ids) + (named_max_tokens or 1) > max_model_len:
+            error = prompt_too_long(len(prompt_ids), named_max_tokens, max_model_len)
+            raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         return prompt_ids, sampling
 
     @property

@@ -392,6 +392,11 @@ def test_split_router_refuses_a_prompt_beyond_the_model_length_without_forwardin
         split_client.completions.create(model="tiny", prompt=[5] * 2100, max_tokens=4)
     # The limit came from the pods' load reports (the tiny preset's 2048 positions).
     assert "the model's maximum length is 2048" in info.value.body["message"]
+    # A chat request that named no max_tokens is told its prompt leaves no room (not of a max_tokens it never sent).
+    with pytest.raises(openai.BadRequestError) as chat:
+        split_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "go " * 2100}])
+    assert "leaves no room to generate" in chat.value.body["message"]
+    assert "max_tokens" not in chat.value.body["message"]
     assert _count(urllib.request.urlopen(prefill_metrics, timeout=5).read().decode(), "invalid") == invalid_before
     assert split_client.models.list().data[0].max_model_len == 2048
 

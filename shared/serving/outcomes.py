@@ -26,6 +26,15 @@ class InvalidRequest(CallError, ValueError):
     """The caller's input is unusable."""
 
 
+def prompt_too_long(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> InvalidRequest:
+    """The refusal of a prompt that, with max_tokens (None: the caller named none), passes the model's length."""
+    if max_tokens is None:
+        return InvalidRequest(f"the prompt has {num_prompt_tokens} tokens, which leaves no room to generate within "
+                              f"the model's maximum length {max_model_len}: shorten the prompt")
+    return InvalidRequest(f"the prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}; the model's "
+                          f"maximum length is {max_model_len}: shorten the prompt or lower max_tokens")
+
+
 class DuplicateRequestId(CallError):
     """A request with this id is already in flight on the pod."""
 

@@ -25,7 +25,7 @@ from shared.engine.model.generation_config import (
 )
 from shared.engine.model.loader import DTYPE_AUTO, DTYPE_CHOICES, load_model
 from shared.engine.request import Request, SamplingParams
-from shared.serving.outcomes import InvalidRequest, PodOverloaded
+from shared.serving.outcomes import InvalidRequest, PodOverloaded, prompt_too_long
 from shared.serving.settings import engine_settings, setting, settings_group
 from shared.serving.tls import TlsConfig
 
@@ -210,16 +210,10 @@ class Pod:
         (the prefill pod's handoff, the decode pod's continuation). A decode pod gets them already filled
         from a prefill pod (PrefillResponse.resolved_sampling) and fills only those sent without a prefill."""
         filled = self.engine.generation.fill(sampling, self.max_model_len - num_prompt_tokens)
-        self.check_prompt_fits(num_prompt_tokens, filled.max_tokens)
+        if num_prompt_tokens + filled.max_tokens > self.max_model_len:  # vLLM rejects, never caps
+            named = None if "max_tokens" in sampling.unset else filled.max_tokens
+            raise prompt_too_long(num_prompt_tokens, named, self.max_model_len)
         return filled
-
-    def check_prompt_fits(self, num_tokens: int, max_tokens: int = 1) -> None:
-        """InvalidRequest unless num_tokens leaves room for max_tokens more (vLLM rejects, never caps)."""
-        if num_tokens + max_tokens > self.max_model_len:
-            raise InvalidRequest(
-                f"the prompt has {num_tokens} tokens and max_tokens is {max_tokens}; together they exceed the "
-                f"model's maximum length {self.max_model_len}: shorten the prompt or lower max_tokens"
-            )
 
     def check_room(self, num_requests: int) -> None:
         """Admits a fan-out (n completions) whole or not at all: InvalidRequest when it could never fit,
