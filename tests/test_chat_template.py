@@ -198,7 +198,7 @@ def test_template_variables_may_set_add_generation_prompt_but_not_the_messages(t
 def test_strftime_now_dates_the_prompt():
     from datetime import datetime
 
-    template = ChatTemplate.from_tokenizer_config({"chat_template": "{{ strftime_now('%Y-%m-%d') }}"})
+    template = ChatTemplate("{{ strftime_now('%Y-%m-%d') }}", {})
     assert template.render([{"role": "user", "content": "hi"}]) == datetime.now().strftime("%Y-%m-%d")
 
 

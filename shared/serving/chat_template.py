@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any
 
 import jinja2
@@ -15,6 +15,8 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
+
+from shared.engine.model.checkpoint_json import read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +56,6 @@ class ChatTemplate:
         if not templates:
             templates = _named_templates(_read_json(directory / LEGACY_TEMPLATE_FILE).get("chat_template"))
         return cls._default_of(templates, _special_tokens(config, directory))
-
-    @classmethod
-    def from_tokenizer_config(cls, config: dict) -> "ChatTemplate | None":
-        """The default chat template inside a tokenizer_config.json's contents, None when it has none."""
-        return cls._default_of(_named_templates(config.get("chat_template")), _special_tokens(config))
 
     @classmethod
     def _default_of(cls, templates: dict[str, str], special_tokens: dict[str, str]) -> "ChatTemplate | None":
@@ -121,15 +118,8 @@ def _cut_at_continue_tag(rendered: str, final_content: str) -> str:
 
 
 def _read_json(file: Path) -> dict:
-    if not file.is_file():
-        return {}
-    try:
-        content = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read {file}: {exc}") from None
-    if not isinstance(content, dict):
-        raise ValueError(f"cannot read {file}: not a JSON object")
-    return content
+    """The file's JSON object, {} when there is no such file."""
+    return read_json_object(file) if file.is_file() else {}
 
 
 def _template_files(directory: Path) -> dict[str, str]:

@@ -76,9 +76,9 @@ class TextCodec:
     def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, template_variables: dict | None = None) -> list[int]:
         """The token ids of chat messages rendered with the chat template (ending in the assistant's turn
-        unless add_generation_prompt is off; inside the last message with continue_final_message). A content given as parts becomes one string, as vLLM gives it
-        to templates that take strings. ChatTemplateError when there is no template or the template rejects
-        the messages."""
+        unless add_generation_prompt is off; inside the last message with continue_final_message). A content
+        given as parts becomes one string, as vLLM gives it to templates that take strings. ChatTemplateError
+        when there is no template or the template rejects the messages."""
         if self.chat_template is None:
             raise ChatTemplateError(f"the tokenizer has no chat template ({TEMPLATE_FILE}, or chat_template in "
                                     f"{TOKENIZER_CONFIG_FILE})")

@@ -110,6 +110,12 @@ def random_model(config: ModelArchConfig, seed: int, device: torch.device | str 
 # ---- Hugging Face weight names <-> our fused layout ---------------------------------------------
 
 def to_hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
+    return {name: t.contiguous() for name, t in _hf_views(model).items()}
+
+
+def _hf_views(model: LlamaModel) -> dict[str, torch.Tensor]:
+    """Every weight of the model under its Hugging Face name: views into our fused tensors (q|k|v and
+    gate|up split back apart), so a checkpoint's tensors copy straight into them."""
     config = model.config
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     out = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight}
@@ -140,7 +146,7 @@ def to_hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
         if layer.q_norm is not None:
             out[prefix + "self_attn.q_norm.weight"] = layer.q_norm.weight
             out[prefix + "self_attn.k_norm.weight"] = layer.k_norm.weight
-    return {name: t.contiguous() for name, t in out.items()}
+    return out
 
 
 # Checkpoint entries that carry no weights of their own: rope tables some exporters save, and the LM head
@@ -148,85 +154,34 @@ def to_hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
 _DERIVED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def hf_weight_shapes(config: ModelArchConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight a checkpoint of this config holds, by its Hugging Face name, with its shape."""
-    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
-    q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
-    shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, hidden)
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        layer = {
-            "self_attn.q_proj.weight": (q_size, hidden), "self_attn.k_proj.weight": (kv_size, hidden),
-            "self_attn.v_proj.weight": (kv_size, hidden), "self_attn.o_proj.weight": (hidden, q_size),
-            "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
-            "mlp.down_proj.weight": (hidden, inter),
-            "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
-        }
-        if config.attention_bias:
-            layer.update({"self_attn.q_proj.bias": (q_size,), "self_attn.k_proj.bias": (kv_size,),
-                          "self_attn.v_proj.bias": (kv_size,)})
-        if config.o_proj_bias:
-            layer["self_attn.o_proj.bias"] = (hidden,)
-        if config.qk_norm:
-            layer.update({"self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,)})
-        if config.mlp_bias:
-            layer.update({"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,), "mlp.down_proj.bias": (hidden,)})
-        shapes.update({p + name: shape for name, shape in layer.items()})
-    return shapes
-
-
-def check_hf_weights(config: ModelArchConfig, weights: dict[str, torch.Tensor]) -> None:
-    """Refuses, by name, a missing weight, one whose shape the config does not give (before any fusing,
-    where a short k_proj and a long v_proj would add up to the right q|k|v), and one the config does not
-    account for (a bias with attention_bias false, say: dropping it would silently change the output)."""
-    expected = hf_weight_shapes(config)
+def check_hf_weights(expected: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], tied: bool) -> None:
+    """Refuses, by name, a missing weight, one whose shape is not the model's (checked on each Hugging Face
+    tensor, before fusing, where a short k_proj and a long v_proj would add up to the right q|k|v), and one
+    the config does not account for (a bias with attention_bias false, say: dropping it would silently
+    change the output). expected: the model's own tensors by Hugging Face name (_hf_views)."""
     missing = [name for name in expected if name not in weights]
     if missing:
         raise ValueError(f"checkpoint is missing weight {missing[0]!r}"
                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
-            raise ValueError(f"weight {name!r} has shape {tuple(weights[name].shape)}, expected {shape} "
-                             f"from config.json")
+    for name, tensor in expected.items():
+        if weights[name].shape != tensor.shape:
+            raise ValueError(f"weight {name!r} has shape {tuple(weights[name].shape)}, expected "
+                             f"{tuple(tensor.shape)} from config.json")
     unused = sorted(name for name in weights if name not in expected and not name.endswith(_DERIVED_WEIGHT_SUFFIXES)
-                    and not (config.tie_word_embeddings and name == "lm_head.weight"))
+                    and not (tied and name == "lm_head.weight"))
     if unused:
         more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
         raise ValueError(f"checkpoint has weights config.json does not account for: {unused[:5]}{more}")
 
 
 def load_hf_weights(model: LlamaModel, weights: dict[str, torch.Tensor]) -> None:
-    """Copies a checkpoint's weights (checked first, see check_hf_weights) into our fused layout."""
-    check_hf_weights(model.config, weights)
+    """Copies a checkpoint's weights (checked first, see check_hf_weights) into our fused layout, through
+    the model's Hugging Face-named views of it."""
     with torch.no_grad():
-        model.embed_tokens.weight.copy_(weights["model.embed_tokens.weight"])
-        model.norm.weight.copy_(weights["model.norm.weight"])
-        if model.lm_head is not None:
-            model.lm_head.weight.copy_(weights["lm_head.weight"])
-        for i, layer in enumerate(model.layers):
-            p = f"model.layers.{i}."
-
-            def w(name: str) -> torch.Tensor:
-                return weights[p + name]
-
-            layer.qkv_proj.weight.copy_(torch.cat([w(f"self_attn.{x}_proj.weight") for x in "qkv"]))
-            if layer.qkv_proj.bias is not None:
-                layer.qkv_proj.bias.copy_(torch.cat([w(f"self_attn.{x}_proj.bias") for x in "qkv"]))
-            layer.o_proj.weight.copy_(w("self_attn.o_proj.weight"))
-            if layer.o_proj.bias is not None:
-                layer.o_proj.bias.copy_(w("self_attn.o_proj.bias"))
-            if layer.q_norm is not None:
-                layer.q_norm.weight.copy_(w("self_attn.q_norm.weight"))
-                layer.k_norm.weight.copy_(w("self_attn.k_norm.weight"))
-            layer.gate_up_proj.weight.copy_(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
-            layer.down_proj.weight.copy_(w("mlp.down_proj.weight"))
-            if layer.gate_up_proj.bias is not None:
-                layer.gate_up_proj.bias.copy_(torch.cat([w("mlp.gate_proj.bias"), w("mlp.up_proj.bias")]))
-                layer.down_proj.bias.copy_(w("mlp.down_proj.bias"))
-            layer.input_layernorm.weight.copy_(w("input_layernorm.weight"))
-            layer.post_attention_layernorm.weight.copy_(w("post_attention_layernorm.weight"))
+        targets = _hf_views(model)
+        check_hf_weights(targets, weights, tied=model.lm_head is None)
+        for name, target in targets.items():
+            target.copy_(weights[name])
 
 
 # transformers' names, in the order from_pretrained looks for them: one file, else the index of shards.
