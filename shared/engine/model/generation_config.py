@@ -30,8 +30,10 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 GENERATION_CONFIG_AUTO = "auto"
 GENERATION_CONFIG_VLLM = "vllm"
 GENERATION_CONFIG_CHOICES = (GENERATION_CONFIG_AUTO, GENERATION_CONFIG_VLLM)  # or a folder's path
+# The sampling fields a generation_config.json gives requests as defaults (SamplingParams' names too).
+_SAMPLING_FIELDS = ("repetition_penalty", "temperature", "top_p", "top_k", "min_p")
 # The generation_config.json fields requests take defaults from: what an override may set.
-OVERRIDABLE_FIELDS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+OVERRIDABLE_FIELDS = ("max_new_tokens", "do_sample", *_SAMPLING_FIELDS)
 # Sampling settings a generation_config.json may recommend that requests do not take from it (typical_p:
 # SamplingParams has no such field; the penalties: vLLM does not default them either).
 _UNSUPPORTED_SAMPLING = ("typical_p", "presence_penalty", "frequency_penalty")
@@ -165,8 +167,8 @@ def _sampling_defaults(generation: dict[str, Any]) -> dict[str, Any]:
     defaults: dict[str, Any] = {}
     if generation.get("max_new_tokens") is not None:
         defaults["max_tokens"] = int(generation["max_new_tokens"])
-    names = ("repetition_penalty",) if generation.get("do_sample") is False else (
-        "repetition_penalty", "temperature", "top_p", "top_k", "min_p")
+    # do_sample false: greedy, so of the sampling fields only the penalty still applies.
+    names = ("repetition_penalty",) if generation.get("do_sample") is False else _SAMPLING_FIELDS
     for name in names:
         if generation.get(name) is not None:
             defaults[name] = int(generation[name]) if name == "top_k" else float(generation[name])
