@@ -397,7 +397,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         if error is None or (isinstance(error, grpc.aio.AioRpcError) and error.code() in _ANSWER_MAY_BE_LOST):
             # The pod may have answered, and made its hold, just as the call ended here: the answer is
             # lost, but the request id still names the hold.
-            self._spawn(self._release_by_request_id(address, request_id))
+            self._spawn(self._release(address, request_id))
 
     # ---- decode -------------------------------------------------------------------------------
     async def _run_decode(
@@ -562,24 +562,16 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         if hold is None or hold.is_settled:
             return
         hold.is_settled = True
-        self._spawn(self._release(hold))
+        self._spawn(self._release(hold.prefill_address, hold.request_id, hold.handle.engine_id))
 
-    async def _release(self, hold: "_Hold") -> None:
-        try:
-            with self._prefill.use(hold.prefill_address) as client:
-                await client.release_kv(hold.request_id, hold.handle.engine_id)
-        except (grpc.aio.AioRpcError, LookupError) as exc:
-            # The lease expiry frees the blocks anyway; this only makes it sooner.
-            logger.info(
-                "request %s: releasing the KV hold on %s failed: %s", hold.request_id, hold.prefill_address, exc
-            )
-
-    async def _release_by_request_id(self, address: str, request_id: str) -> None:
+    async def _release(self, address: str, request_id: str, engine_id: str = "") -> None:
+        """Ends the request's hold on the prefill pod at address; engine_id "": whichever engine it runs now."""
         try:
             with self._prefill.use(address) as client:
-                await client.release_kv(request_id, engine_id="")  # "": whichever engine the pod runs now
+                await client.release_kv(request_id, engine_id)
         except (grpc.aio.AioRpcError, LookupError) as exc:
-            logger.info("request %s: releasing any KV hold on %s failed: %s", request_id, address, exc)
+            # The lease expiry frees the blocks anyway; this only makes it sooner.
+            logger.info("request %s: releasing the KV hold on %s failed: %s", request_id, address, exc)
 
     async def drain(self) -> None:
         """Waits for pending hold releases (called at shutdown)."""
