@@ -130,7 +130,8 @@ def wait_serving(
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if not service.is_running():
-                raise RuntimeError(f"{service.name} exited with {service.process.returncode}: {service.failure_summary()}")
+                raise RuntimeError(
+                    f"{service.name} exited with {service.process.returncode}: {service.failure_summary()}")
             try:
                 answer = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
                 if answer.status == health_pb2.HealthCheckResponse.SERVING:

@@ -335,11 +335,12 @@ class HttpFront:
         with invalid_on_value_error():  # a value out of a proto field's range, for one
             return self._generate_request_of(body, is_chat)
 
-    def _generate_request_of(self, body: dict[str, Any], is_chat: bool) -> tuple[generate_pb2.GenerateRequest, _Request]:
+    def _generate_request_of(self, body: dict[str, Any],
+                             is_chat: bool) -> tuple[generate_pb2.GenerateRequest, _Request]:
         default_max_tokens = oai.COMPLETIONS_DEFAULT_MAX_TOKENS
         if is_chat:
-            oai.check_fields(body, ("messages", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-                                    "logprobs", "top_logprobs"))
+            oai.check_fields(body, ("messages", "chat_template_kwargs", "add_generation_prompt",
+                                    "continue_final_message", "logprobs", "top_logprobs"))
             prompt: str | list[int] = self._chat_prompt(oai.chat_messages(body), oai.chat_template_options(body))
             default_max_tokens = self._rest_of_context(len(prompt))
         else:

@@ -106,7 +106,8 @@ def _response_format(name: str, value: Any) -> StructuredOutputSpec | None:
         if not isinstance(schema, dict):
             raise InvalidRequest(f"{name}.json_schema.schema must be a JSON schema object")
         return StructuredOutputSpec(json_schema=json.dumps(schema))
-    raise InvalidRequest(f"{name} must be {{'type': 'text' | 'json_object' | 'json_schema', ...}}, got {_shortened(value)}")
+    raise InvalidRequest(f"{name} must be {{'type': 'text' | 'json_object' | 'json_schema', ...}}, "
+                         f"got {_shortened(value)}")
 
 
 def _guided(kind: str) -> Callable[[str, Any], StructuredOutputSpec]:

@@ -120,7 +120,8 @@ class PodConfig:
         except json.JSONDecodeError as exc:
             raise ValueError(f"override_generation_config is not JSON: {exc}") from None
         if not isinstance(overrides, dict):
-            raise ValueError(f"override_generation_config must be a JSON object, got {self.override_generation_config!r}")
+            raise ValueError(
+                f"override_generation_config must be a JSON object, got {self.override_generation_config!r}")
         return overrides
 
     def __post_init__(self) -> None:

@@ -133,8 +133,9 @@ def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], histori
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Per row of logits [R, V]: the softmax of logits / temperature restricted to the tokens min_p keeps,
-    then to the top-k tokens, then to the top-p nucleus (vLLM's order). Not renormalised (the draw scales by each row's total): a sum over a row may
-    be split across threads when it is the only row, and its rounding would then depend on the batch."""
+    then to the top-k tokens, then to the top-p nucleus (vLLM's order). Not renormalised (the draw scales
+    by each row's total): a sum over a row may be split across threads when it is the only row, and its
+    rounding would then depend on the batch."""
     vocab = logits.shape[-1]
     device = logits.device
     temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
