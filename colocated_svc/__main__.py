@@ -62,6 +62,7 @@ def http_server(
         api_key=api_token,
         tracer=lambda: servicer.tracing.tracer,  # run_pod hands the servicer its tracing
         max_body_bytes=http.max_body_bytes,
+        tool_call_parser=http.tool_call_parser,
     )
     return HttpServer(front.app, args.host, http.http_port, tls)
 

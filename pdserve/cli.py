@@ -13,6 +13,7 @@ from importlib import metadata
 from pathlib import Path
 
 from pdserve.launcher import DEFAULT_PORTS, ClusterPorts
+from shared.serving.tool_calls import ToolCallParser
 
 # Subcommands that hand their argv to a service's own composition root.
 SERVICE_MODULES = {
@@ -102,6 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill-port", type=int, default=DEFAULT_PORTS.prefill, help="prefill pod gRPC port")
     up.add_argument("--decode-port", type=int, default=DEFAULT_PORTS.decode, help="decode pod gRPC port")
     up.add_argument("--otlp-endpoint", default=None, help="send traces of all three services to this OTLP/gRPC endpoint")
+    up.add_argument("--tool-call-parser", default=None, choices=[parser.value for parser in ToolCallParser],
+                    help='the router\'s: the format the model writes tool calls in (chat\'s tool_choice "auto")')
     up.add_argument("--log-dir", type=Path, default=Path("pdserve-logs"), help="where the services' logs go")
     up.add_argument("--metrics", action="store_true", help="give every service a Prometheus port and print it")
     up.add_argument("--demo", action="store_true", help="stream one completion through the system, then stop")
@@ -216,6 +219,8 @@ def _run_up(args: argparse.Namespace) -> None:
     if args.otlp_endpoint:
         pod_args += ["--otlp-endpoint", args.otlp_endpoint]
         router_args += ["--otlp-endpoint", args.otlp_endpoint]
+    if args.tool_call_parser:
+        router_args += ["--tool-call-parser", args.tool_call_parser]
     print(f"starting router, prefill and decode (model {args.model}); logs in {args.log_dir}/", flush=True)
     with LocalCluster.start(
         pod_args=pod_args, router_args=router_args, with_metrics=args.metrics, log_dir=args.log_dir, ports=ports

@@ -22,7 +22,8 @@ VOCAB_SIZE = 4096  # of the tiny preset
 
 def start_split_cluster(log_dir: Path) -> LocalCluster:
     return LocalCluster.start(
-        pod_args=MODEL_ARGS, prefill_args=["--lease-s", str(LEASE_S)], router_args=["--tokenizer", "tiny"],
+        pod_args=MODEL_ARGS, prefill_args=["--lease-s", str(LEASE_S)],
+        router_args=["--tokenizer", "tiny", "--tool-call-parser", "hermes"],
         with_metrics=True, log_dir=log_dir,
     )
 

@@ -245,6 +245,23 @@ def test_named_templates_saved_by_transformers_use_the_default(tmp_path):
         CONVERSATION, tokenize=False, add_generation_prompt=True)
 
 
+TOOLS = [{"type": "function", "function": {"name": "get", "description": "Weather of a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_tools_are_rendered_as_transformers_renders_them(tmp_path, named):
+    """With tools, transformers renders the tool_use template where the checkpoint names one."""
+    directory = saved_by_transformers(tmp_path, {"default": CHATML, "tool_use": QWEN_25} if named else QWEN_25)
+    template = TextCodec.from_path(str(directory)).chat_template
+    for messages in (CONVERSATION, TOOL_CALL):
+        expected = reference(directory).apply_chat_template(messages, tools=TOOLS, tokenize=False,
+                                                            add_generation_prompt=True)
+        assert "<tools>" in expected and template.render(messages, tools=TOOLS) == expected
+    assert template.render(CONVERSATION) == reference(directory).apply_chat_template(
+        CONVERSATION, tokenize=False, add_generation_prompt=True)
+
+
 @pytest.mark.parametrize("form", ["list", "dict"])
 def test_named_templates_in_tokenizer_config_use_the_default(tmp_path, form):
     named = {"tool_use": QWEN_25, "default": CHATML}

@@ -28,6 +28,7 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 LEGACY_TEMPLATE_FILE = "chat_template.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 DEFAULT_NAME = "default"  # the named template transformers uses when no tools are passed
+TOOL_USE_NAME = "tool_use"  # the one it uses when tools are passed, where a checkpoint has it
 
 # Names a message's reasoning comes under; transformers fills the first (and "thinking") from any of them.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -39,11 +40,9 @@ class ChatTemplateError(ValueError):
 
 
 class ChatTemplate:
-    def __init__(self, source: str, special_tokens: dict[str, str]):
-        try:
-            self._template = _environment().from_string(source)
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"the chat template does not parse: {exc}") from None
+    def __init__(self, source: str, special_tokens: dict[str, str], tool_use_source: str | None = None):
+        self._template = _parsed(source)
+        self._tool_use_template = _parsed(tool_use_source) if tool_use_source else self._template
         self._special_tokens = special_tokens
 
     @classmethod
@@ -66,36 +65,51 @@ class ChatTemplate:
                            sorted(templates), DEFAULT_NAME)
         if not isinstance(source, str) or not source:
             return None
-        return cls(source, special_tokens)
+        tool_use = templates.get(TOOL_USE_NAME)
+        return cls(source, special_tokens, tool_use if isinstance(tool_use, str) else None)
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
-               continue_final_message: bool = False, variables: Mapping[str, Any] | None = None) -> str:
+               continue_final_message: bool = False, variables: Mapping[str, Any] | None = None,
+               tools: list[dict] | None = None) -> str:
         """The prompt text; variables (vLLM's chat_template_kwargs) override the special tokens, as in
         transformers, and add_generation_prompt, as in vLLM; never the messages. continue_final_message:
-        the text ends inside the last message (its content continues), as transformers cuts it."""
+        the text ends inside the last message (its content continues), as transformers cuts it. tools: the
+        functions the model may call (OpenAI's tool objects; else any the variables give), rendered by the
+        checkpoint's tool_use template where it has one, as in transformers."""
         variables = dict(variables or {})
         if "messages" in variables:
             raise ChatTemplateError("chat_template_kwargs may not set messages")
         context = {"tools": None, "documents": None, **self._special_tokens,
                    "add_generation_prompt": add_generation_prompt, **variables}
         context["messages"] = [_template_message(message) for message in messages]
+        if tools is not None:
+            context["tools"] = tools
+        template = self._template if context["tools"] is None else self._tool_use_template
         if not continue_final_message:
-            return self._render(context)
+            return self._render(template, context)
         if context["add_generation_prompt"]:
             raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true")
         final = context["messages"][-1] if context["messages"] else {}
         if not isinstance(final.get("content"), str) or not final["content"]:
             raise ChatTemplateError("continue_final_message needs a last message with text content to continue")
         context["messages"][-1] = {**final, "content": final["content"] + _CONTINUE_TAG}
-        return _cut_at_continue_tag(self._render(context), final["content"])
+        return _cut_at_continue_tag(self._render(template, context), final["content"])
 
-    def _render(self, context: dict[str, Any]) -> str:
+    @staticmethod
+    def _render(template: jinja2.Template, context: dict[str, Any]) -> str:
         try:
-            return self._template.render(context)  # a dict: any key, "self" included, is a template variable
+            return template.render(context)  # a dict: any key, "self" included, is a template variable
         except ChatTemplateError:
             raise
         except Exception as exc:  # noqa: BLE001 - checkpoint code run on client input: any failure refuses the input
             raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None
+
+
+def _parsed(source: str) -> jinja2.Template:
+    try:
+        return _environment().from_string(source)
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"the chat template does not parse: {exc}") from None
 
 
 # transformers' marker after the content to continue: the rendered text is cut where it shows.

@@ -36,6 +36,8 @@ from shared.serving.settings import setting
 from shared.serving.telemetry import HttpTracingMiddleware
 from shared.serving.text import TextCodec
 from shared.serving.tls import TlsConfig
+from shared.serving.tool_calls import ToolCallParser, ToolCallStream, ToolRequest, tool_call_objects, tool_request, \
+    template_messages
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,10 @@ class HttpConfig:
     ))
     http_max_body_mib: int = field(default=16, metadata=setting(
         "largest request body the HTTP API reads, in MiB (a larger one gets 413 before it is parsed)"
+    ))
+    tool_call_parser: ToolCallParser | None = field(default=None, metadata=setting(
+        'the format the model writes tool calls in, which chat\'s tool_choice "auto" reads them by (off when '
+        'unset: "auto" is refused; named and "required" choices work without it)'
     ))
 
     def __post_init__(self) -> None:
@@ -158,6 +164,7 @@ class _Choice:
     num_output_tokens: int = 0
     text_offset: int = 0  # completions' logprobs: where the next token starts in this choice's text
     has_started: bool = False
+    tool_calls: ToolCallStream | None = None  # chat with tools: its text read for tool calls as it streams
 
 
 @dataclass(frozen=True)
@@ -166,23 +173,28 @@ class _Request:
 
     options: oai.StreamOptions
     wants_logprobs: bool
+    tools: ToolRequest | None = None  # chat only
 
 
 class _Response:
     """How one endpoint dresses Generate chunks (completions: text; chat: message or delta) for the n
     choices of one request: one OpenAI choice per completion index, usage over all of them."""
 
-    def __init__(self, is_chat: bool, model: str, wants_logprobs: bool, token_texts: oai.TokenTexts):
+    def __init__(self, is_chat: bool, model: str, parsed: _Request, token_texts: oai.TokenTexts):
         self.is_chat = is_chat
         self.ids = oai.ResponseIds.new("chatcmpl" if is_chat else "cmpl", model)
-        self._wants_logprobs = wants_logprobs
+        self._wants_logprobs = parsed.wants_logprobs
+        self._tools = parsed.tools if parsed.tools is not None and parsed.tools.reads_calls else None
         self._token_texts = token_texts
         self._choices: dict[int, _Choice] = {}
         self._num_prompt_tokens = 0
 
     def _choice_of(self, chunk: generate_pb2.GenerateResponse) -> _Choice:
         """The chunk's choice, its token count brought up to date."""
-        choice = self._choices.setdefault(chunk.index, _Choice(chunk.index))
+        choice = self._choices.get(chunk.index)
+        if choice is None:
+            choice = self._choices[chunk.index] = _Choice(chunk.index)
+            choice.tool_calls = self._tools.stream() if self._tools is not None else None
         choice.num_output_tokens = chunk.num_output_tokens
         self._num_prompt_tokens = chunk.num_prompt_tokens  # the same prompt for every choice
         return choice
@@ -195,20 +207,40 @@ class _Response:
         logprobs, choice.text_offset = oai.completion_logprobs(entries, self._token_texts, choice.text_offset)
         return logprobs
 
-    def streamed(self, chunk: generate_pb2.GenerateResponse) -> dict[str, Any]:
-        """The stream event of one chunk: its choice, by index (chat: the role with the choice's first)."""
+    def streamed(self, chunk: generate_pb2.GenerateResponse) -> dict[str, Any] | None:
+        """The stream event of one chunk: its choice, by index (chat: the role with the choice's first);
+        None when it has nothing to say (its text waits to be read for tool calls)."""
         choice = self._choice_of(chunk)
         finish = convert.finish_reason_from_proto(chunk.finish_reason)
         logprobs = self._logprobs(choice, _token_logprobs(chunk))
         if self.is_chat:
-            delta = {"content": chunk.text} if chunk.text or not choice.has_started else {}
-            if not choice.has_started:
-                delta = {"role": "assistant", **delta}
-            dressed = oai.chat_delta(choice.index, delta, finish, logprobs)
+            delta, finish_reason = self._chat_delta(choice, chunk.text, finish)
+            if not delta and finish_reason is None and logprobs is None:
+                return None
+            dressed = oai.chat_delta(choice.index, delta, finish_reason, logprobs)
         else:
             dressed = oai.completion_choice(choice.index, chunk.text, finish, logprobs)
         choice.has_started = True
         return {**self.ids.envelope(self._object(chunk=True)), "choices": [dressed]}
+
+    def _chat_delta(self, choice: _Choice, text: str, finish: FinishReason | None) -> tuple[dict[str, Any], str | None]:
+        """A chat chunk's delta (content, or tool calls read from the text) and its finish reason."""
+        finish_reason = oai.finish_reason_to_openai(finish)
+        if choice.tool_calls is None:
+            delta: dict[str, Any] = {"content": text} if text or not choice.has_started else {}
+        else:
+            read = choice.tool_calls.push(text)
+            if finish is not None:
+                rest = choice.tool_calls.finish()
+                read.content += rest.content
+                read.tool_calls += rest.tool_calls
+                finish_reason = self._tools.finish_reason(finish_reason, choice.tool_calls.found_calls)
+            delta = {"content": read.content} if read.content else {}
+            if read.tool_calls:
+                delta["tool_calls"] = read.tool_calls
+        if not choice.has_started:
+            delta = {"role": "assistant", **delta}
+        return delta, finish_reason
 
     def collect(self, chunk: generate_pb2.GenerateResponse) -> None:
         choice = self._choice_of(chunk)
@@ -218,10 +250,21 @@ class _Response:
 
     def whole(self) -> dict[str, Any]:
         """The response of everything collected: every choice in index order, and the usage."""
-        dress = oai.chat_choice if self.is_chat else oai.completion_choice
-        choices = [dress(c.index, c.text, c.finish, self._logprobs(c, c.logprobs))
-                   for c in sorted(self._choices.values(), key=lambda c: c.index)]
+        dress = self._chat_choice if self.is_chat else self._completion_choice
+        choices = [dress(choice) for choice in sorted(self._choices.values(), key=lambda c: c.index)]
         return {**self.ids.envelope(self._object(chunk=False)), "choices": choices, "usage": self.usage()}
+
+    def _completion_choice(self, choice: _Choice) -> dict[str, Any]:
+        return oai.completion_choice(choice.index, choice.text, choice.finish, self._logprobs(choice, choice.logprobs))
+
+    def _chat_choice(self, choice: _Choice) -> dict[str, Any]:
+        logprobs = self._logprobs(choice, choice.logprobs)
+        finish_reason = oai.finish_reason_to_openai(choice.finish)
+        if self._tools is None:
+            return oai.chat_choice(choice.index, choice.text, finish_reason, logprobs)
+        content, calls = self._tools.calls_in(choice.text)
+        finish_reason = self._tools.finish_reason(finish_reason, bool(calls))
+        return oai.chat_choice(choice.index, content, finish_reason, logprobs, tool_call_objects(calls))
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self.ids.envelope(self._object(chunk=True)), "choices": [], "usage": self.usage()}
@@ -255,6 +298,7 @@ class HttpFront:
         api_key: str | None = None,
         tracer: Callable[[], trace.Tracer] = lambda: _NO_TRACER,
         max_body_bytes: int = HttpConfig().max_body_bytes,
+        tool_call_parser: ToolCallParser | None = None,
     ):
         """codec: the text codec (for chat templates and logprobs' token texts) once known; api_key: the
         bearer token clients must send (None: open); tracer: the service's tracer (its tracing may be set
@@ -267,6 +311,7 @@ class HttpFront:
         self._max_model_len = max_model_len
         self._api_key = api_key
         self._max_body_bytes = max_body_bytes
+        self._tool_call_parser = tool_call_parser
         self._created = int(time.time())
         app = Starlette(routes=[
             Route(COMPLETIONS_PATH, self._completions, methods=["POST"]),
@@ -315,7 +360,7 @@ class HttpFront:
             message, parsed = await asyncio.to_thread(self._generate_request, body, is_chat)
         except InvalidRequest as exc:
             return _error(400, "invalid_request_error", str(exc))
-        response = _Response(is_chat, self.model_name, parsed.wants_logprobs, self._token_texts)
+        response = _Response(is_chat, self.model_name, parsed, self._token_texts)
         responses = self._generate(message, InProcessContext()).__aiter__()
         try:
             # Bad input ends the call before its first chunk: answer it with a status, not a stream.
@@ -338,16 +383,19 @@ class HttpFront:
     def _generate_request_of(self, body: dict[str, Any],
                              is_chat: bool) -> tuple[generate_pb2.GenerateRequest, _Request]:
         default_max_tokens = oai.COMPLETIONS_DEFAULT_MAX_TOKENS
+        tools = None
         if is_chat:
             oai.check_fields(body, ("messages", "chat_template_kwargs", "add_generation_prompt",
-                                    "continue_final_message", "logprobs", "top_logprobs"))
-            prompt: str | list[int] = self._chat_prompt(oai.chat_messages(body), oai.chat_template_options(body))
+                                    "continue_final_message", "logprobs", "top_logprobs", "tools", "tool_choice"))
+            tools = tool_request(body, self._tool_call_parser)
+            prompt: str | list[int] = self._chat_prompt(oai.chat_messages(body), oai.chat_template_options(body), tools)
             default_max_tokens = self._rest_of_context(len(prompt))
         else:
             oai.check_fields(body, ("prompt", "logprobs"))
             prompt = oai.completion_prompt(body)
         options = oai.stream_options_from_openai(body)
-        params = oai.sampling_params_from_openai(body, is_chat=is_chat, default_max_tokens=default_max_tokens)
+        params = oai.sampling_params_from_openai(body, is_chat=is_chat, default_max_tokens=default_max_tokens,
+                                                 tool_constraint=tools.constraint() if tools is not None else None)
         sampling = convert.sampling_params_to_proto(params)
         request_id = body.get("request_id") or ""
         if not isinstance(request_id, str):
@@ -357,7 +405,7 @@ class HttpFront:
             message.text = prompt
         else:
             message.token_ids.ids.extend(prompt)
-        return message, _Request(options, wants_logprobs=params.logprobs is not None)
+        return message, _Request(options, wants_logprobs=params.logprobs is not None, tools=tools)
 
     def _rest_of_context(self, num_prompt_tokens: int) -> int:
         """Chat's max_tokens when the request names none and the checkpoint's generation_config.json no
@@ -374,12 +422,13 @@ class HttpFront:
             return [f"token_id:{token_id}" for token_id in token_ids]
         return codec.token_texts(token_ids)
 
-    def _chat_prompt(self, messages: list[dict], options: oai.ChatTemplateOptions) -> list[int]:
+    def _chat_prompt(self, messages: list[dict], options: oai.ChatTemplateOptions, tools: ToolRequest | None) -> list[int]:
         codec = self._codec()
         if codec is None:
             raise InvalidRequest("chat needs a tokenizer with a chat template: start the server with --tokenizer")
         try:
-            return codec.encode_chat(messages, **dataclasses.asdict(options))
+            return codec.encode_chat(template_messages(messages), **dataclasses.asdict(options),
+                                     tools=list(tools.tools) if tools is not None else None)
         except ChatTemplateError as exc:  # no template, or the template refused the messages
             raise InvalidRequest(f"chat template: {exc}") from None
 
@@ -407,11 +456,12 @@ class HttpFront:
         try:
             while chunk is not None:
                 payload = response.streamed(chunk)
-                if options.continuous_usage:
-                    payload["usage"] = response.usage()
-                elif options.include_usage:
-                    payload["usage"] = None
-                yield _sse(payload)
+                if payload is not None:
+                    if options.continuous_usage:
+                        payload["usage"] = response.usage()
+                    elif options.include_usage:
+                        payload["usage"] = None
+                    yield _sse(payload)
                 chunk = await anext(responses, None)
             if options.include_usage:  # once every choice finished
                 yield _sse(response.usage_chunk())

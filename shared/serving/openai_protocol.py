@@ -159,7 +159,7 @@ SAMPLING_FIELDS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
 # request may carry that value; any other is refused with 400 rather than silently ignored).
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "best_of": 1, "echo": False, "suffix": None,
-    "tools": None, "tool_choice": None, "functions": None, "function_call": None,
+    "functions": None, "function_call": None,  # the deprecated form of tools
     "reasoning_effort": None, "modalities": ["text"], "audio": None, "prediction": None,
     "web_search_options": None, "verbosity": None,
 }
@@ -170,21 +170,30 @@ _REQUEST_FIELDS = ("model", "stream", "stream_options", "request_id")
 
 
 def sampling_params_from_openai(
-    body: dict[str, Any], *, is_chat: bool = False, default_max_tokens: int = COMPLETIONS_DEFAULT_MAX_TOKENS
+    body: dict[str, Any], *, is_chat: bool = False, default_max_tokens: int = COMPLETIONS_DEFAULT_MAX_TOKENS,
+    tool_constraint: StructuredOutputSpec | None = None,
 ) -> SamplingParams:
     """The domain SamplingParams an OpenAI request asks for. Where it is silent: the model's defaults
     (filled by the pod, vLLM's --generation-config auto) for the fields it may set, else OpenAI's.
     default_max_tokens: max_tokens when the request names none; chat takes the model's max_new_tokens
-    before it, completions never do (vLLM's completions request holds 16 as if the client sent it)."""
+    before it, completions never do (vLLM's completions request holds 16 as if the client sent it).
+    tool_constraint: the structured output a forced tool_choice needs."""
     kwargs: dict[str, Any] = {"temperature": OPENAI_DEFAULT_TEMPERATURE, "max_tokens": default_max_tokens}
     given = set()
     constraints = []
+    if tool_constraint is not None:
+        kwargs["structured_output"] = tool_constraint
+        constraints.append("tool_choice")
     for name, (param, parse) in SAMPLING_FIELDS.items():
-        if body.get(name) is not None:
-            kwargs[param] = parse(name, body[name])
-            given.add(param)
-            if param == "structured_output" and kwargs[param] is not None:
-                constraints.append(name)
+        if body.get(name) is None:
+            continue
+        value = parse(name, body[name])
+        given.add(param)
+        if param != "structured_output":
+            kwargs[param] = value
+        elif value is not None:  # response_format "text" asks for none
+            kwargs[param] = value
+            constraints.append(name)
     if len(constraints) > 1:
         raise InvalidRequest(f"one structured-output constraint per request: got {' and '.join(constraints)}")
     if not is_chat:
@@ -355,17 +364,18 @@ def completion_choice(index: int, text: str, finish: FinishReason | None,
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason_to_openai(finish)}
 
 
-def chat_choice(index: int, text: str, finish: FinishReason | None,
-                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {
-        "index": index, "message": {"role": "assistant", "content": text},
-        "logprobs": logprobs, "finish_reason": finish_reason_to_openai(finish),
-    }
+def chat_choice(index: int, content: str | None, finish_reason: str | None, logprobs: dict[str, Any] | None = None,
+                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """finish_reason: OpenAI's (finish_reason_to_openai, or "tool_calls"); content None beside tool calls."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_delta(index: int, delta: dict[str, str], finish: FinishReason | None,
+def chat_delta(index: int, delta: dict[str, Any], finish_reason: str | None,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason_to_openai(finish)}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 # Token ids -> the text of each one alone (what logprobs name tokens by).

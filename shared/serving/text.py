@@ -74,17 +74,19 @@ class TextCodec:
         return TextStream(self._tokenizer)
 
     def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, template_variables: dict | None = None) -> list[int]:
+                    continue_final_message: bool = False, template_variables: dict | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
         """The token ids of chat messages rendered with the chat template (ending in the assistant's turn
-        unless add_generation_prompt is off; inside the last message with continue_final_message). A content
-        given as parts becomes one string, as vLLM gives it to templates that take strings. ChatTemplateError
-        when there is no template or the template rejects the messages."""
+        unless add_generation_prompt is off; inside the last message with continue_final_message), with the
+        tools the model may call. A content given as parts becomes one string, as vLLM gives it to templates
+        that take strings. ChatTemplateError when there is no template or the template rejects the messages."""
         if self.chat_template is None:
             raise ChatTemplateError(f"the tokenizer has no chat template ({TEMPLATE_FILE}, or chat_template in "
                                     f"{TOKENIZER_CONFIG_FILE})")
         messages = [_with_text_content(index, message) for index, message in enumerate(messages)]
         text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
-                                         continue_final_message=continue_final_message, variables=template_variables)
+                                         continue_final_message=continue_final_message, variables=template_variables,
+                                         tools=tools)
         # The template already wrote the special tokens (bos, role markers): add none of our own.
         return encode_text(self._tokenizer, text, add_special_tokens=False)
 
