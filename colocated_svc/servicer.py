@@ -72,9 +72,11 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
             call.span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(prompt_ids))
             stream = call.submit(Request(engine_request_id, prompt_ids, sampling, eos_token_id=pod.eos_token_id))
             finish = None
+            prompt_logprobs = []  # they come with the prompt's chunks; they go out with token 1
             async for outputs in stream.batches():
                 token_ids = [t for output_ in outputs for t in output_.new_token_ids]
                 logprobs = [e for output_ in outputs for e in (output_.new_logprobs or ())]
+                prompt_logprobs.extend(e for output_ in outputs for e in (output_.new_prompt_logprobs or ()))
                 finish = outputs[-1].finish_reason if outputs[-1].finished else None
                 if outputs[-1].error is not None:
                     raise InvalidRequest(outputs[-1].error)
@@ -97,7 +99,9 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
                     logprobs=logprobs[:len(delta.token_ids)],
                     index=index,
                     stop_string=delta.stop_string or "",
+                    prompt_logprobs=prompt_logprobs,
                 )
+                prompt_logprobs = []
                 if finish is not None:
                     return
             if finish is None:  # the stream ended unfinished: the pod aborted everything (shutdown)

@@ -106,11 +106,17 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
                 if traced is not None:
                     traced.stream = stream
                 pull_stats = None
+                prompt_logprobs = []  # they come with the prompt's chunks; they go out with the first token
                 async for outputs in stream.batches():
                     token_ids = [t for output in outputs for t in output.new_token_ids]
                     logprobs = [e for output in outputs for e in (output.new_logprobs or ())]
+                    prompt_logprobs.extend(e for output in outputs for e in (output.new_prompt_logprobs or ()))
                     finish_reason = outputs[-1].finish_reason
-                    chunk = wire.DecodeChunk(token_ids=token_ids, finish_reason=finish_reason, logprobs=logprobs)
+                    if not token_ids and finish_reason is None:
+                        continue  # a prompt chunk's logprobs alone
+                    chunk = wire.DecodeChunk(token_ids=token_ids, finish_reason=finish_reason, logprobs=logprobs,
+                                             prompt_logprobs=prompt_logprobs)
+                    prompt_logprobs = []
                     if pull_stats is None:
                         pull_stats = self._report_pull(work, early_stats)
                         chunk = dataclasses.replace(chunk, kv_pull=pull_stats)

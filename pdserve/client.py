@@ -40,6 +40,8 @@ class GenerateChunk:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id, when asked for
     index: int = 0  # which of the n completions
     stop_string: str = ""  # the stop string that ended the completion
+    # On a completion's first chunk, when asked for (prompt_logprobs=k): one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 def _structured_output(sampling: dict) -> StructuredOutputSpec | None:
@@ -82,6 +84,7 @@ def chunk_from_proto(message: generate_pb2.GenerateResponse) -> GenerateChunk:
         logprobs=[convert.token_logprobs_from_proto(entry) for entry in message.logprobs],
         index=message.index,
         stop_string=message.stop_string,
+        prompt_logprobs=[convert.token_logprobs_from_proto(entry) for entry in message.prompt_logprobs],
     )
 
 

@@ -64,10 +64,11 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
                 eos_token_id=self.pod.eos_token_id,
                 kv_transfer_params=HoldForPeer() if work.sampling.max_tokens > 1 else None,
             ))
-            tokens, logprobs, final = [], [], None
+            tokens, logprobs, prompt_logprobs, final = [], [], [], None
             async for output in stream:
                 tokens.extend(output.new_token_ids)
                 logprobs.extend(output.new_logprobs or ())
+                prompt_logprobs.extend(output.new_prompt_logprobs or ())
                 final = output
             if final is None:
                 raise PodUnavailable("the pod stopped the request before token 1")
@@ -75,7 +76,7 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
                 call.engine_request_finished()
             # The filled params go back with token 1: the router decodes with them, so the tiers agree.
             result = self._result(work, final, tokens, call.parent)
-            result = dataclasses.replace(result, resolved_sampling=work.sampling)
+            result = dataclasses.replace(result, resolved_sampling=work.sampling, prompt_logprobs=prompt_logprobs)
             if result.handle is not None:
                 self._free_hold_if_cancelled(context, work.request_id)
             if logprobs:

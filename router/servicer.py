@@ -3,6 +3,7 @@ relay tokens; retries, deadline and cancellation propagation, and KV-hold cleanu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -194,7 +195,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         output = OutputText(self._codec.stream() if self._codec is not None else None, sampling)
         num_sent = 0
 
-        def chunk(token_ids: list[int], finish: FinishReason | None, logprobs: list):
+        def chunk(token_ids: list[int], finish: FinishReason | None, logprobs: list, prompt_logprobs: list):
             nonlocal num_sent
             delta = output.push(token_ids, finish)
             num_sent += len(delta.token_ids)
@@ -208,6 +209,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 logprobs=logprobs[:len(delta.token_ids)],
                 index=index,
                 stop_string=delta.stop_string or "",
+                prompt_logprobs=prompt_logprobs,
             )
 
         # Token 1 must not go out for a request no decode pod can take: check before any prefill.
@@ -226,16 +228,16 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                     context.add_done_callback(lambda _context, hold=hold: self._abandon(hold))
                 # Token 1 goes out before any decode work: TTFT never waits for the KV transfer.
                 first_logprobs = [result.first_token_logprobs] if result.first_token_logprobs is not None else []
-                first = chunk([result.first_token_id], result.finish_reason, first_logprobs)
+                first = chunk([result.first_token_id], result.finish_reason, first_logprobs, result.prompt_logprobs)
                 yield first
                 self._record_ttft(start)
                 if first.finish_reason:
                     return  # token 1 ended it (or a stop string in it): the finally frees any hold
-            decoded = self._run_decode(pod_request_id, prompt, sampling, generated, deadline, hold)
-            async with aclosing(decoded):
-                async for token_ids, finish, logprobs in decoded:
-                    is_first = hold is None and len(generated) == len(token_ids) and bool(token_ids)
-                    sent = chunk(token_ids, finish, logprobs)
+            decoded_chunks = self._run_decode(pod_request_id, prompt, sampling, generated, deadline, hold)
+            async with aclosing(decoded_chunks):
+                async for decoded in decoded_chunks:
+                    is_first = hold is None and len(generated) == len(decoded.token_ids) and bool(decoded.token_ids)
+                    sent = chunk(decoded.token_ids, decoded.finish_reason, decoded.logprobs, decoded.prompt_logprobs)
                     yield sent
                     if is_first:
                         self._record_ttft(start)
@@ -403,10 +405,11 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def _run_decode(
         self, request_id, prompt: PromptHashes, sampling, generated, deadline, hold: "_Hold | None"
     ):
-        """Yields (new token ids, finish reason or None). `generated` (token 1 first, or empty without a
+        """Yields DecodeChunks with tokens or a finish reason. `generated` (token 1 first, or empty without a
         prefill) grows as tokens are yielded, so a re-issue after a failure carries exactly what the
-        client already has. Without a hold the decode pod computes the prompt itself. A pod that
-        refuses (overloaded) is tried again after a backoff; one that fails or freezes is not."""
+        client already has. Without a hold the decode pod computes the prompt itself (and its prompt
+        logprobs, until the client has the first token). A pod that refuses (overloaded) is tried again
+        after a backoff; one that fails or freezes is not."""
         # Pods that failed or froze on this request: marked unavailable, so not picked again until a
         # health probe finds them serving (a false stall, e.g. while the router itself was starved).
         failed: list[str] = []
@@ -416,7 +419,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         while True:
             if "max_tokens" not in sampling.unset and len(generated) >= sampling.max_tokens:
                 # A pod died right after the last token but before saying so: the request is complete.
-                yield [], FinishReason.LENGTH, []
+                yield wire.DecodeChunk(finish_reason=FinishReason.LENGTH)
                 return
             choice = self._pick(self._decode, refused, prompt)
             if choice.address is None:
@@ -426,16 +429,19 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 refused.clear()
                 continue
             carries_handle = hold is not None and not hold.is_settled
+            # Prompt logprobs come with the first token (from prefill, else from this pod): once it is out, none.
             work = wire.DecodeInput(
-                request_id, prompt.token_ids, list(generated), sampling, hold.handle if carries_handle else None
+                request_id, prompt.token_ids, list(generated),
+                dataclasses.replace(sampling, prompt_logprobs=None) if generated else sampling,
+                hold.handle if carries_handle else None,
             )
             try:
                 # Closed at once when the client goes away: that cancels the Decode call.
                 attempt = self._decode_on(choice.address, work, generated, deadline, hold)
                 async with aclosing(attempt) as tokens:
-                    async for token_ids, finish, logprobs in tokens:
+                    async for decoded in tokens:
                         backoff.reset()
-                        yield token_ids, finish, logprobs
+                        yield decoded
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -475,7 +481,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             )
 
     async def _decode_on(self, address: str, work: wire.DecodeInput, generated: list[int], deadline, hold):
-        """One Decode call: yields (new token ids, finish reason or None, their logprobs) until the finish reason."""
+        """One Decode call: yields its chunks with tokens or a finish reason, until the finish reason."""
         with self._decode.use(address) as stub:
             call = stub.Decode(convert.decode_request_to_proto(work), timeout=deadline.remaining())
             finished = False
@@ -498,7 +504,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                     generated.extend(decoded.token_ids)
                     finished = decoded.finish_reason is not None
                     if decoded.token_ids or finished:
-                        yield decoded.token_ids, decoded.finish_reason, decoded.logprobs
+                        yield decoded
                     if finished:
                         return
             finally:

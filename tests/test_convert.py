@@ -1,11 +1,13 @@
 """shared.serving.convert round-trips domain values through proto and rejects bad input with precise messages."""
+import dataclasses
+
 import pytest
 
 from proto.pdserve.v1 import common_pb2, decode_pb2, generate_pb2, prefill_pb2
 from shared.serving import convert, wire
 from shared.engine.kv_transfer.handle import KvRegion, KvSource
 from shared.engine.request import MODEL_DEFAULT_FIELDS, FinishReason, SamplingParams, StructuredOutputSpec
-from shared.engine.request import TokenLogprobs
+from shared.engine.request import MAX_PROMPT_LOGPROBS, TokenLogprobs
 
 LAYOUT = convert.KvLayout("tiny", "float32", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
 
@@ -20,10 +22,11 @@ def test_sampling_params_round_trip():
     assert convert.sampling_params_from_proto(convert.sampling_params_to_proto(params)) == params
 
 
-def test_prompt_logprobs_are_refused_by_name():
-    # No response message carries them, so a caller asking for them is told instead of ignored.
+def test_prompt_logprobs_travel_and_are_bounded():
     message = convert.sampling_params_to_proto(SamplingParams(prompt_logprobs=3))
-    with pytest.raises(ValueError, match="prompt_logprobs is not supported"):
+    assert convert.sampling_params_from_proto(message).prompt_logprobs == 3
+    message.prompt_logprobs = MAX_PROMPT_LOGPROBS + 1
+    with pytest.raises(ValueError, match="prompt_logprobs"):
         convert.sampling_params_from_proto(message)
 
 
@@ -71,7 +74,7 @@ def test_unset_sampling_fields_round_trip_with_their_fallback():
         ({"temperature": float("nan")}, "NaN"),
         ({"temperature": 1e9}, "temperature"),
         ({"seed": 2**63}, "seed"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -3.0}, "frequency_penalty"),
         ({"frequency_penalty": float("nan")}, "frequency_penalty must be numbers, got NaN"),
@@ -230,8 +233,17 @@ def test_decode_payloads():
     unfilled = wire.DecodeInput("r", [1], list(range(8)), SamplingParams(unset={"max_tokens"}))
     assert convert.decode_request_from_proto(convert.decode_request_to_proto(unfilled)) == unfilled
 
+    # Prompt logprobs: only where this pod computes the prompt and nothing was generated yet.
+    scoring = wire.DecodeInput("r", [1, 2], [], SamplingParams(max_tokens=8, prompt_logprobs=1))
+    assert convert.decode_request_from_proto(convert.decode_request_to_proto(scoring)) == scoring
+    for generated, handle in (([42], make_handle(num_tokens=2, block_ids=(7,))), ([42, 43], None)):
+        bad = convert.decode_request_to_proto(dataclasses.replace(scoring, generated_token_ids=generated, handle=handle))
+        with pytest.raises(ValueError, match="prompt_logprobs are computed with the prompt"):
+            convert.decode_request_from_proto(bad)
+
     chunk = wire.DecodeChunk([1, 2], FinishReason.LENGTH,
-                                convert.KvPullStats(10, 1, 0, 0.1, convert.KvPullOutcome.NO_HANDLE))
+                                convert.KvPullStats(10, 1, 0, 0.1, convert.KvPullOutcome.NO_HANDLE),
+                                prompt_logprobs=[TokenLogprobs(2, -0.5, ((2, -0.5), (7, -1.5)))])
     assert convert.decode_chunk_from_proto(convert.decode_chunk_to_proto(chunk)) == chunk
     assert convert.decode_chunk_from_proto(decode_pb2.DecodeResponse(token_ids=[3])) == wire.DecodeChunk([3])
 

@@ -213,3 +213,63 @@ def test_logprobs_fields_are_checked_as_openai_does(split_cluster):
                             assert info.value.body["type"] == "invalid_request_error"
 
     asyncio.run(scenario())
+
+
+ECHO = dict(prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2, echo=True, extra_body={"ignore_eos": True})
+
+
+async def _echoed(client: openai.AsyncOpenAI, stream: bool, **kwargs) -> dict:
+    """A one-choice completion's text and logprobs (tokens, token_logprobs, top_logprobs, text_offset)."""
+    answer = await client.completions.create(model="tiny", stream=stream, **kwargs)
+    choices = [answer.choices[0]] if not stream else [chunk.choices[0] async for chunk in answer]
+    result = {"text": "", "tokens": [], "logprobs": [], "tops": [], "offsets": []}
+    for choice in choices:
+        result["text"] += choice.text
+        if choice.logprobs is not None:
+            result["tokens"] += choice.logprobs.tokens
+            result["logprobs"] += choice.logprobs.token_logprobs
+            result["tops"] += choice.logprobs.top_logprobs
+            result["offsets"] += choice.logprobs.text_offset
+    return result
+
+
+def test_echo_gives_the_prompt_and_its_logprobs_before_the_completion(split_cluster):
+    """echo (with logprobs) answers the prompt's text and its tokens' logprobs (the first has none) before
+    the completion's, as vLLM does, split as colocated, streamed or not; max_tokens 0 answers the prompt alone."""
+    plain_request = {**ECHO, "echo": False}
+
+    async def scenario():
+        async with colocated_http() as (colocated, pod, _):
+            async with openai.AsyncOpenAI(base_url=split_cluster.router.http_url, api_key="unused",
+                                          max_retries=0) as split:
+                plain = await _echoed(colocated, False, **plain_request)
+                num_prompt_tokens = len(TextCodec.from_path("tiny").encode(PROMPT))
+                answers = {(name, stream): await _echoed(client, stream, **ECHO)
+                           for name, client in (("split", split), ("colocated", colocated)) for stream in (False, True)}
+                echoed = answers["colocated", False]
+                assert echoed["text"] == PROMPT + plain["text"]
+                assert len(echoed["tokens"]) == num_prompt_tokens + 4
+                assert echoed["tokens"][num_prompt_tokens:] == plain["tokens"]
+                assert echoed["logprobs"][num_prompt_tokens:] == pytest.approx(plain["logprobs"], abs=1e-5)
+                assert echoed["logprobs"][0] is None and echoed["tops"][0] is None
+                for token, value, top in zip(echoed["tokens"][1:], echoed["logprobs"][1:], echoed["tops"][1:]):
+                    assert value <= 0 and list(top.items())[0] == (token, value) and len(top) <= 3
+                assert echoed["offsets"] == [sum(map(len, echoed["tokens"][:i])) for i in range(len(echoed["tokens"]))]
+                for answer in answers.values():
+                    assert (answer["text"], answer["tokens"], answer["offsets"]) == \
+                        (echoed["text"], echoed["tokens"], echoed["offsets"])
+                    assert answer["logprobs"][1:] == pytest.approx(echoed["logprobs"][1:], abs=1e-4)
+                for client in (split, colocated):
+                    alone = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True,
+                                                            logprobs=2, temperature=0)
+                    assert alone.choices[0].text == PROMPT and alone.usage.completion_tokens == 0
+                    assert alone.choices[0].logprobs.tokens == echoed["tokens"][:num_prompt_tokens]
+                    by_ids = await client.completions.create(
+                        model="tiny", prompt=TextCodec.from_path("tiny").encode(PROMPT), max_tokens=2, echo=True)
+                    assert by_ids.choices[0].text.startswith(PROMPT)
+                    with pytest.raises(openai.BadRequestError, match="'echo'"):
+                        await client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body={"echo": True})
+            await _wait_until(lambda: _all_free(pod))
+
+    asyncio.run(scenario())
+    _wait_pods_idle(split_cluster)

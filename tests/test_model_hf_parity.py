@@ -178,8 +178,9 @@ def test_prompt_logprobs_match_transformers(checkpoints):
     assert len(output.prompt_logprobs) == len(prompt)
     for position, entry in enumerate(output.prompt_logprobs[1:]):
         row = reference[position]
-        assert entry[prompt[position + 1]] == pytest.approx(row[prompt[position + 1]].item(), abs=1e-4)
-        assert set(row.topk(3).indices.tolist()) <= set(entry)
+        assert entry.token_id == prompt[position + 1]
+        assert entry.logprob == pytest.approx(row[prompt[position + 1]].item(), abs=1e-4)
+        assert [token for token, _ in entry.top] == row.topk(3).indices.tolist()
 
 
 def test_config_json_round_trip_and_variants():

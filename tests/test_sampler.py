@@ -139,10 +139,10 @@ def test_prompt_logprobs_report_actual_and_top_tokens():
     entries = prompt_logprobs(logits, targets, num_top=2)
     reference = torch.log_softmax(logits, -1)
     for row, entry in enumerate(entries):
-        assert entry[targets[row].item()] == reference[row, targets[row]].item()
-        for token in reference[row].topk(2).indices.tolist():
-            assert token in entry
-        assert len(entry) <= 3
+        assert (entry.token_id, entry.logprob) == (targets[row].item(), reference[row, targets[row]].item())
+        top = reference[row].topk(2)
+        assert entry.top == tuple(zip(top.indices.tolist(), top.values.tolist()))  # most likely first
+    assert all(entry.top == () for entry in prompt_logprobs(logits, targets, num_top=0))
 
 
 def test_ngram_proposer_uses_latest_longest_match():

@@ -184,3 +184,56 @@ def test_a_stop_string_frees_the_colocated_request_at_once():
                 await asyncio.sleep(0.01)
 
     asyncio.run(run())
+
+
+def _prompt_logprobs(address: str, **sampling) -> dict[int, list]:
+    """Per completion index: the prompt logprobs its chunks carried (only its first one has any)."""
+    found: dict[int, list] = {}
+    with PdserveClient(address) as client:
+        for chunk in client.generate(PROMPT, timeout=120, max_tokens=3, **sampling):
+            if chunk.index in found:
+                assert not chunk.prompt_logprobs, "prompt logprobs come once, with the first chunk"
+            else:
+                found[chunk.index] = chunk.prompt_logprobs
+    return found
+
+
+def test_prompt_logprobs_split_decode_only_and_colocated_match_the_engine(systems, model_dir, tmp_path):
+    """The prompt's logprobs reach the client with token 1 from the prefill pod (split), from a decode pod
+    that computes the prompt itself (decode-only), and from the colocated server; all equal the offline
+    engine's, also for a prompt the pods have cached, and for every one of n completions."""
+    from shared.engine.llm_engine import LLMEngine
+    from shared.engine.request import SamplingParams
+    from shared.engine.sched_config import CacheConfig, SchedulerConfig
+
+    router, colocated, cluster = systems
+    engine = LLMEngine(model_dir, SchedulerConfig(max_model_len=MAX_MODEL_LEN), CacheConfig(block_size=16, num_blocks=32))
+    [expected] = engine.generate([PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=2))
+    expected = expected.prompt_logprobs[1:]
+    assert len(expected) == len(PROMPT) - 1
+    decode_only = _router_computing_prompts_on_decode(cluster, model_dir, tmp_path)
+    try:
+        for address in (router, decode_only.address, colocated, router):  # router twice: the prompt is cached
+            for entries in _prompt_logprobs(address, prompt_logprobs=2, n=2, temperature=1.0, seed=1).values():
+                _assert_close(entries, expected)
+    finally:
+        decode_only.stop()
+    assert_all_blocks_free(cluster)
+
+
+def _router_computing_prompts_on_decode(cluster: LocalCluster, model_dir, log_dir):
+    port = free_port()
+    router = start_service("router-decode-only", "router", [
+        "--host", HOST, "--port", str(port), "--prefill", cluster.by_name("prefill-0").address,
+        "--decode", cluster.by_name("decode-0").address, "--tokenizer", str(model_dir),
+        "--local-prefill-below", str(MAX_MODEL_LEN)], address=f"{HOST}:{port}", log_dir=log_dir)
+    wait_serving(router, timeout_s=120)
+    return router
+
+
+def _assert_close(entries, expected) -> None:
+    assert [(e.token_id, [t for t, _ in e.top]) for e in entries] == \
+        [(e.token_id, [t for t, _ in e.top]) for e in expected]
+    for got, want in zip(entries, expected):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [v for _, v in got.top] == pytest.approx([v for _, v in want.top], abs=1e-4)

@@ -39,7 +39,8 @@ class GenerationOutput:
     token_ids: list[int]
     finish_reason: FinishReason | None
     text: str | None = None  # decoded output when the model has a tokenizer
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # None for the first prompt token
+    # One per prompt token (None for the first: nothing before it predicts it), when asked for.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per output token, when asked for
 

@@ -138,9 +138,6 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams | None) -> Sam
     fallback_max_tokens until then)."""
     if message is None:
         message = common_pb2.SamplingParams()
-    if message.HasField("prompt_logprobs"):
-        # The engine computes them (LLMEngine.generate), but no response message carries them yet.
-        raise ValueError("sampling: prompt_logprobs is not supported by this API (no response carries them)")
     kwargs: dict = {
         "ignore_eos": message.ignore_eos,
         "stop_token_ids": tuple(message.stop_token_ids),
@@ -151,7 +148,7 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams | None) -> Sam
         "min_tokens": message.min_tokens,
         "logit_bias": dict(message.logit_bias),
     }
-    for name in ("seed", "logprobs", "n", *sorted(MODEL_DEFAULT_FIELDS)):
+    for name in ("seed", "logprobs", "prompt_logprobs", "n", *sorted(MODEL_DEFAULT_FIELDS)):
         if message.HasField(name):
             kwargs[name] = getattr(message, name)
     kwargs["unset"] = MODEL_DEFAULT_FIELDS - kwargs.keys()
@@ -427,6 +424,7 @@ def prefill_result_to_proto(result: PrefillResult) -> prefill_pb2.PrefillRespons
         message.first_token_logprobs.CopyFrom(token_logprobs_to_proto(result.first_token_logprobs))
     if result.resolved_sampling is not None:
         message.resolved_sampling.CopyFrom(sampling_params_to_proto(_resolved(result.resolved_sampling)))
+    message.prompt_logprobs.extend(token_logprobs_to_proto(entry) for entry in result.prompt_logprobs)
     return message
 
 
@@ -457,6 +455,7 @@ def prefill_result_from_proto(message: prefill_pb2.PrefillResponse) -> PrefillRe
             _resolved(sampling_params_from_proto(message.resolved_sampling))
             if message.HasField("resolved_sampling") else None
         ),
+        prompt_logprobs=[token_logprobs_from_proto(entry) for entry in message.prompt_logprobs],
     )
 
 
@@ -491,6 +490,9 @@ def decode_request_from_proto(
             raise ValueError(
                 f"with a handle, generated_token_ids must hold exactly token 1, got {len(generated)} ids"
             )
+    if sampling.prompt_logprobs is not None and (handle is not None or generated):
+        raise ValueError("sampling: prompt_logprobs are computed with the prompt: ask for them only on a Decode "
+                         "that computes it (no handle, no generated_token_ids)")
     if "max_tokens" not in sampling.unset:  # else the pod checks once it has filled max_tokens
         check_not_past_max_tokens(generated, sampling)
     return DecodeInput(
@@ -519,6 +521,7 @@ def decode_chunk_to_proto(chunk: DecodeChunk) -> decode_pb2.DecodeResponse:
     if chunk.kv_pull is not None:
         message.kv_pull.CopyFrom(kv_pull_stats_to_proto(chunk.kv_pull))
     message.logprobs.extend(token_logprobs_to_proto(entry) for entry in chunk.logprobs)
+    message.prompt_logprobs.extend(token_logprobs_to_proto(entry) for entry in chunk.prompt_logprobs)
     return message
 
 
@@ -528,6 +531,7 @@ def decode_chunk_from_proto(message: decode_pb2.DecodeResponse) -> DecodeChunk:
         finish_reason=finish_reason_from_proto(message.finish_reason),
         kv_pull=kv_pull_stats_from_proto(message.kv_pull) if message.HasField("kv_pull") else None,
         logprobs=[token_logprobs_from_proto(entry) for entry in message.logprobs],
+        prompt_logprobs=[token_logprobs_from_proto(entry) for entry in message.prompt_logprobs],
     )
 
 
@@ -574,6 +578,7 @@ def generate_chunk_to_proto(
     logprobs: list[TokenLogprobs] = (),
     index: int = 0,
     stop_string: str = "",
+    prompt_logprobs: list[TokenLogprobs] = (),
 ) -> generate_pb2.GenerateResponse:
     return generate_pb2.GenerateResponse(
         request_id=request_id,
@@ -585,6 +590,7 @@ def generate_chunk_to_proto(
         logprobs=[token_logprobs_to_proto(entry) for entry in logprobs],
         index=index,
         stop_string=stop_string,
+        prompt_logprobs=[token_logprobs_to_proto(entry) for entry in prompt_logprobs],
     )
 
 

@@ -168,12 +168,23 @@ class _Choice:
 
 
 @dataclass(frozen=True)
+class _Echo:
+    """A completion's echoed prompt: its text, its first token (which has no logprob) and whether the
+    completion itself is left out (max_tokens 0)."""
+
+    text: str
+    first_token_id: int
+    without_output: bool
+
+
+@dataclass(frozen=True)
 class _Request:
     """What the front needs of one parsed OpenAI request besides the Generate message."""
 
     options: oai.StreamOptions
     wants_logprobs: bool
     tools: ToolRequest | None = None  # chat only
+    echo: _Echo | None = None  # completions only
 
 
 class _Response:
@@ -185,6 +196,7 @@ class _Response:
         self.ids = oai.ResponseIds.new("chatcmpl" if is_chat else "cmpl", model)
         self._wants_logprobs = parsed.wants_logprobs
         self._tools = parsed.tools if parsed.tools is not None and parsed.tools.reads_calls else None
+        self._echo = parsed.echo
         self._token_texts = token_texts
         self._choices: dict[int, _Choice] = {}
         self._num_prompt_tokens = 0
@@ -195,11 +207,11 @@ class _Response:
         if choice is None:
             choice = self._choices[chunk.index] = _Choice(chunk.index)
             choice.tool_calls = self._tools.stream() if self._tools is not None else None
-        choice.num_output_tokens = chunk.num_output_tokens
+        choice.num_output_tokens = 0 if self._echo is not None and self._echo.without_output else chunk.num_output_tokens
         self._num_prompt_tokens = chunk.num_prompt_tokens  # the same prompt for every choice
         return choice
 
-    def _logprobs(self, choice: _Choice, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
+    def _logprobs(self, choice: _Choice, entries: list[TokenLogprobs | int]) -> dict[str, Any] | None:
         if not self._wants_logprobs:
             return None
         if self.is_chat:
@@ -212,16 +224,30 @@ class _Response:
         None when it has nothing to say (its text waits to be read for tool calls)."""
         choice = self._choice_of(chunk)
         finish = convert.finish_reason_from_proto(chunk.finish_reason)
-        logprobs = self._logprobs(choice, _token_logprobs(chunk))
         if self.is_chat:
+            logprobs = self._logprobs(choice, _token_logprobs(chunk))
             delta, finish_reason = self._chat_delta(choice, chunk.text, finish)
             if not delta and finish_reason is None and logprobs is None:
                 return None
             dressed = oai.chat_delta(choice.index, delta, finish_reason, logprobs)
         else:
-            dressed = oai.completion_choice(choice.index, chunk.text, finish, logprobs)
+            text, entries = self._completion_piece(choice, chunk)
+            dressed = oai.completion_choice(choice.index, text, finish, self._logprobs(choice, entries))
         choice.has_started = True
         return {**self.ids.envelope(self._object(chunk=True)), "choices": [dressed]}
+
+    def _completion_piece(self, choice: _Choice, chunk: generate_pb2.GenerateResponse) -> tuple[str, list]:
+        """A completion chunk's text and logprob entries, after the echoed prompt on the choice's first."""
+        text, entries = chunk.text, _token_logprobs(chunk)
+        if self._echo is None:
+            return text, entries
+        if self._echo.without_output:
+            text, entries = "", []
+        if not choice.has_started:
+            prompt_entries = [convert.token_logprobs_from_proto(entry) for entry in chunk.prompt_logprobs]
+            text = self._echo.text + text
+            entries = [self._echo.first_token_id, *prompt_entries, *entries]
+        return text, entries
 
     def _chat_delta(self, choice: _Choice, text: str, finish: FinishReason | None) -> tuple[dict[str, Any], str | None]:
         """A chat chunk's delta (content, or tool calls read from the text) and its finish reason."""
@@ -244,8 +270,10 @@ class _Response:
 
     def collect(self, chunk: generate_pb2.GenerateResponse) -> None:
         choice = self._choice_of(chunk)
-        choice.text += chunk.text
-        choice.logprobs.extend(_token_logprobs(chunk))
+        text, entries = (chunk.text, _token_logprobs(chunk)) if self.is_chat else self._completion_piece(choice, chunk)
+        choice.has_started = True
+        choice.text += text
+        choice.logprobs.extend(entries)
         choice.finish = convert.finish_reason_from_proto(chunk.finish_reason) or choice.finish
 
     def whole(self) -> dict[str, Any]:
@@ -383,7 +411,7 @@ class HttpFront:
     def _generate_request_of(self, body: dict[str, Any],
                              is_chat: bool) -> tuple[generate_pb2.GenerateRequest, _Request]:
         default_max_tokens = oai.COMPLETIONS_DEFAULT_MAX_TOKENS
-        tools = None
+        tools = echo = None
         if is_chat:
             oai.check_fields(body, ("messages", "chat_template_kwargs", "add_generation_prompt",
                                     "continue_final_message", "logprobs", "top_logprobs", "tools", "tool_choice"))
@@ -391,11 +419,15 @@ class HttpFront:
             prompt: str | list[int] = self._chat_prompt(oai.chat_messages(body), oai.chat_template_options(body), tools)
             default_max_tokens = self._rest_of_context(len(prompt))
         else:
-            oai.check_fields(body, ("prompt", "logprobs"))
+            oai.check_fields(body, ("prompt", "logprobs", "echo"))
             prompt = oai.completion_prompt(body)
+            echo_options = oai.completion_echo(body)
+            if echo_options is not None:
+                prompt, echo = self._echoed(prompt, echo_options)
         options = oai.stream_options_from_openai(body)
         params = oai.sampling_params_from_openai(body, is_chat=is_chat, default_max_tokens=default_max_tokens,
-                                                 tool_constraint=tools.constraint() if tools is not None else None)
+                                                 tool_constraint=tools.constraint() if tools is not None else None,
+                                                 echo=echo_options if not is_chat else None)
         sampling = convert.sampling_params_to_proto(params)
         request_id = body.get("request_id") or ""
         if not isinstance(request_id, str):
@@ -405,7 +437,18 @@ class HttpFront:
             message.text = prompt
         else:
             message.token_ids.ids.extend(prompt)
-        return message, _Request(options, wants_logprobs=params.logprobs is not None, tools=tools)
+        return message, _Request(options, wants_logprobs=params.logprobs is not None, tools=tools, echo=echo)
+
+    def _echoed(self, prompt: str | list[int], options: oai.EchoOptions) -> tuple[list[int], _Echo]:
+        """The prompt's token ids and its echo: the text as given (or as its token ids decode)."""
+        codec = self._codec()
+        if codec is None:
+            raise InvalidRequest("echo needs a tokenizer: start the server with --tokenizer")
+        token_ids = codec.encode(prompt) if isinstance(prompt, str) else prompt
+        if not token_ids:
+            raise InvalidRequest("prompt text encodes to no tokens")
+        text = prompt if isinstance(prompt, str) else codec.decode(prompt)
+        return token_ids, _Echo(text, token_ids[0], options.without_output)
 
     def _rest_of_context(self, num_prompt_tokens: int) -> int:
         """Chat's max_tokens when the request names none and the checkpoint's generation_config.json no

@@ -158,7 +158,7 @@ SAMPLING_FIELDS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
 # Known OpenAI/vLLM fields this server does not honour yet, with the value that asks for nothing (a
 # request may carry that value; any other is refused with 400 rather than silently ignored).
 UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "best_of": 1, "echo": False, "suffix": None,
+    "best_of": 1, "echo": False, "suffix": None,  # echo: on chat (completions take it)
     "functions": None, "function_call": None,  # the deprecated form of tools
     "reasoning_effort": None, "modalities": ["text"], "audio": None, "prediction": None,
     "web_search_options": None, "verbosity": None,
@@ -169,15 +169,32 @@ INFORMATIONAL_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_t
 _REQUEST_FIELDS = ("model", "stream", "stream_options", "request_id")
 
 
+@dataclass(frozen=True)
+class EchoOptions:
+    """/v1/completions' echo: the prompt comes back before the completion (and, with logprobs, the prompt
+    tokens' logprobs before the completion's). max_tokens 0 asks for the prompt alone, as vLLM takes it:
+    the engine still samples one token, which is not returned."""
+
+    without_output: bool
+
+
+def completion_echo(body: dict[str, Any]) -> EchoOptions | None:
+    echo = body.get("echo")
+    if echo is None or not _boolean("echo", echo):
+        return None
+    return EchoOptions(without_output=body.get("max_tokens") == 0)
+
+
 def sampling_params_from_openai(
     body: dict[str, Any], *, is_chat: bool = False, default_max_tokens: int = COMPLETIONS_DEFAULT_MAX_TOKENS,
-    tool_constraint: StructuredOutputSpec | None = None,
+    tool_constraint: StructuredOutputSpec | None = None, echo: EchoOptions | None = None,
 ) -> SamplingParams:
     """The domain SamplingParams an OpenAI request asks for. Where it is silent: the model's defaults
     (filled by the pod, vLLM's --generation-config auto) for the fields it may set, else OpenAI's.
     default_max_tokens: max_tokens when the request names none; chat takes the model's max_new_tokens
     before it, completions never do (vLLM's completions request holds 16 as if the client sent it).
-    tool_constraint: the structured output a forced tool_choice needs."""
+    tool_constraint: the structured output a forced tool_choice needs; echo: a completion's echo (its
+    logprobs cover the prompt too)."""
     kwargs: dict[str, Any] = {"temperature": OPENAI_DEFAULT_TEMPERATURE, "max_tokens": default_max_tokens}
     given = set()
     constraints = []
@@ -200,6 +217,10 @@ def sampling_params_from_openai(
         given.add("max_tokens")
     kwargs["unset"] = MODEL_DEFAULT_FIELDS - given
     kwargs["logprobs"] = chat_logprobs_count(body) if is_chat else completion_logprobs_count(body)
+    if echo is not None:
+        kwargs["prompt_logprobs"] = kwargs["logprobs"]
+        if echo.without_output:
+            kwargs["max_tokens"] = 1
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
@@ -236,7 +257,7 @@ def check_fields(body: dict[str, Any], endpoint_fields: tuple[str, ...]) -> None
     """InvalidRequest naming the first field that is unknown or not supported yet."""
     known = (*SAMPLING_FIELDS, *INFORMATIONAL_FIELDS, *_REQUEST_FIELDS, *endpoint_fields)
     for name, value in body.items():
-        if name in UNSUPPORTED_FIELDS:
+        if name in UNSUPPORTED_FIELDS and name not in endpoint_fields:
             if value is not None and value != UNSUPPORTED_FIELDS[name]:
                 raise InvalidRequest(f"'{name}' is not supported by this server yet")
         elif name not in known:
@@ -387,24 +408,34 @@ def _clamped(logprob: float) -> float:
 
 
 def completion_logprobs(
-    entries: Sequence[TokenLogprobs], token_texts: TokenTexts, text_offset: int
+    entries: Sequence[TokenLogprobs | int], token_texts: TokenTexts, text_offset: int
 ) -> tuple[dict[str, Any], int]:
     """/v1/completions' logprobs of these tokens, as vLLM writes them: each token's text and logprob, a
     {text: logprob} of the token and the most likely ones, and where each token starts in the
-    completion's text (from text_offset). Returns it with the offset after the last token."""
-    texts = iter(token_texts([token for entry in entries for token in (entry.token_id, *(t for t, _ in entry.top))]))
+    completion's text (from text_offset). An entry that is a bare token id has no logprob (an echoed
+    prompt's first token): null for both. Returns it with the offset after the last token."""
+    texts = iter(token_texts([token for entry in entries for token in _token_ids_of(entry)]))
     result: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for entry in entries:
         token = next(texts)
-        top = {token: _clamped(entry.logprob)}
-        for _, logprob in entry.top:
-            top.setdefault(next(texts), _clamped(logprob))
+        logprob, top = None, None
+        if isinstance(entry, TokenLogprobs):
+            logprob = _clamped(entry.logprob)
+            top = {token: logprob}
+            for _, value in entry.top:
+                top.setdefault(next(texts), _clamped(value))
         result["tokens"].append(token)
-        result["token_logprobs"].append(_clamped(entry.logprob))
+        result["token_logprobs"].append(logprob)
         result["top_logprobs"].append(top)
         result["text_offset"].append(text_offset)
         text_offset += len(token)
     return result, text_offset
+
+
+def _token_ids_of(entry: TokenLogprobs | int) -> tuple[int, ...]:
+    if isinstance(entry, int):
+        return (entry,)
+    return (entry.token_id, *(token for token, _ in entry.top))
 
 
 def chat_logprobs(entries: Sequence[TokenLogprobs], token_texts: TokenTexts) -> dict[str, Any]:

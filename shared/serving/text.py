@@ -66,6 +66,10 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         return encode_text(self._tokenizer, text)
 
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of token ids, special tokens left out (as an output's text)."""
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+
     def token_texts(self, token_ids: list[int]) -> list[str]:
         """Each token's text alone, special tokens included: how logprobs name tokens (as vLLM does)."""
         return self._tokenizer.decode_batch([[token_id] for token_id in token_ids], skip_special_tokens=False)

@@ -53,6 +53,7 @@ class PrefillResult:
     first_token_logprobs: TokenLogprobs | None = None
     # The request's sampling as the prefill pod resolved it (nothing unset); None from an older pod.
     resolved_sampling: SamplingParams | None = None
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # from the second prompt token on
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class DecodeChunk:
     finish_reason: FinishReason | None = None
     kv_pull: KvPullStats | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id, when asked for
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # on the first chunk with tokens
 
 
 @dataclass(frozen=True)

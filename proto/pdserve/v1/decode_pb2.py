@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from proto.pdserve.v1 import common_pb2 as proto_dot_pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dproto/pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x1dproto/pdserve/v1/common.proto\"\xae\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1b\n\x13generated_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06handle\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\"\x8c\x01\n\x0bKvPullStats\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x03 \x01(\r\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12*\n\x07outcome\x18\x05 \x01(\x0e\x32\x19.pdserve.v1.KvPullOutcome\"\xab\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12(\n\x07kv_pull\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.KvPullStats\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs*\x95\x02\n\rKvPullOutcome\x12\x1f\n\x1bKV_PULL_OUTCOME_UNSPECIFIED\x10\x00\x12\x1a\n\x16KV_PULL_OUTCOME_PULLED\x10\x01\x12$\n KV_PULL_OUTCOME_PREFIX_CACHE_HIT\x10\x02\x12,\n(KV_PULL_OUTCOME_RECOMPUTED_LEASE_EXPIRED\x10\x03\x12$\n KV_PULL_OUTCOME_RECOMPUTED_ERROR\x10\x04\x12.\n*KV_PULL_OUTCOME_RECOMPUTED_LAYOUT_MISMATCH\x10\x05\x12\x1d\n\x19KV_PULL_OUTCOME_NO_HANDLE\x10\x06\x32\x96\x01\n\rDecodeService\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12\x42\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x1b.pdserve.v1.GetLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dproto/pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x1dproto/pdserve/v1/common.proto\"\xae\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1b\n\x13generated_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06handle\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\"\x8c\x01\n\x0bKvPullStats\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x03 \x01(\r\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12*\n\x07outcome\x18\x05 \x01(\x0e\x32\x19.pdserve.v1.KvPullOutcome\"\xdf\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12(\n\x07kv_pull\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.KvPullStats\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs*\x95\x02\n\rKvPullOutcome\x12\x1f\n\x1bKV_PULL_OUTCOME_UNSPECIFIED\x10\x00\x12\x1a\n\x16KV_PULL_OUTCOME_PULLED\x10\x01\x12$\n KV_PULL_OUTCOME_PREFIX_CACHE_HIT\x10\x02\x12,\n(KV_PULL_OUTCOME_RECOMPUTED_LEASE_EXPIRED\x10\x03\x12$\n KV_PULL_OUTCOME_RECOMPUTED_ERROR\x10\x04\x12.\n*KV_PULL_OUTCOME_RECOMPUTED_LAYOUT_MISMATCH\x10\x05\x12\x1d\n\x19KV_PULL_OUTCOME_NO_HANDLE\x10\x06\x32\x96\x01\n\rDecodeService\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12\x42\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x1b.pdserve.v1.GetLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.pdserve.v1.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVPULLOUTCOME']._serialized_start=571
-  _globals['_KVPULLOUTCOME']._serialized_end=848
+  _globals['_KVPULLOUTCOME']._serialized_start=623
+  _globals['_KVPULLOUTCOME']._serialized_end=900
   _globals['_DECODEREQUEST']._serialized_start=77
   _globals['_DECODEREQUEST']._serialized_end=251
   _globals['_KVPULLSTATS']._serialized_start=254
   _globals['_KVPULLSTATS']._serialized_end=394
   _globals['_DECODERESPONSE']._serialized_start=397
-  _globals['_DECODERESPONSE']._serialized_end=568
-  _globals['_DECODESERVICE']._serialized_start=851
-  _globals['_DECODESERVICE']._serialized_end=1001
+  _globals['_DECODERESPONSE']._serialized_end=620
+  _globals['_DECODESERVICE']._serialized_start=903
+  _globals['_DECODESERVICE']._serialized_end=1053
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto.pdserve.v1 import common_pb2 as proto_dot_pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fproto/pdserve/v1/generate.proto\x12\npdserve.v1\x1a\x1dproto/pdserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x98\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x08\n\x06prompt\"\xff\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\r\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\r\n\x05index\x18\x08 \x01(\r\x12\x13\n\x0bstop_string\x18\t \x01(\t2Z\n\x0fGenerateService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fproto/pdserve/v1/generate.proto\x12\npdserve.v1\x1a\x1dproto/pdserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x98\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x08\n\x06prompt\"\xb3\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\r\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\r\n\x05index\x18\x08 \x01(\r\x12\x13\n\x0bstop_string\x18\t \x01(\t\x12\x32\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs2Z\n\x0fGenerateService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,7 +37,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=104
   _globals['_GENERATEREQUEST']._serialized_end=256
   _globals['_GENERATERESPONSE']._serialized_start=259
-  _globals['_GENERATERESPONSE']._serialized_end=514
-  _globals['_GENERATESERVICE']._serialized_start=516
-  _globals['_GENERATESERVICE']._serialized_end=606
+  _globals['_GENERATERESPONSE']._serialized_end=566
+  _globals['_GENERATESERVICE']._serialized_start=568
+  _globals['_GENERATESERVICE']._serialized_end=658
 # @@protoc_insertion_point(module_scope)

@@ -186,19 +186,16 @@ def _nucleus_among(probs: torch.Tensor, top_p: torch.Tensor, candidates: int) ->
     return torch.zeros_like(probs).scatter_(1, order, kept), mass[:, -1] >= top_p
 
 
-def prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor, num_top: int) -> list[dict[int, float]]:
-    """For each row i: logprob of next_token_ids[i] (the prompt token that follows) plus the num_top most
-    likely tokens, as {token_id: logprob}. Raw model distribution: no temperature or filtering."""
-    logprobs = torch.log_softmax(logits, dim=-1)
+def prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor, num_top: int) -> list[TokenLogprobs]:
+    """For each row i: the logprob of next_token_ids[i] (the prompt token that follows) and the num_top most
+    likely tokens there. Raw model distribution: no temperature or filtering."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
     actual = logprobs.gather(-1, next_token_ids.unsqueeze(-1)).squeeze(-1).tolist()
-    ids = next_token_ids.tolist()
-    entries = [{token: value} for token, value in zip(ids, actual)]
+    tops = [()] * len(actual)
     if num_top:
         top_values, top_ids = logprobs.topk(num_top, dim=-1)
-        for entry, row_ids, row_values in zip(entries, top_ids.tolist(), top_values.tolist()):
-            for token, value in zip(row_ids, row_values):
-                entry.setdefault(token, value)
-    return entries
+        tops = [tuple(zip(row_ids, row_values)) for row_ids, row_values in zip(top_ids.tolist(), top_values.tolist())]
+    return [TokenLogprobs(token, value, top) for token, value, top in zip(next_token_ids.tolist(), actual, tops)]
 
 
 def output_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
