@@ -61,8 +61,7 @@ def http_server(
         max_model_len=lambda: servicer.pod.max_model_len if servicer.pod is not None else None,
         api_key=api_token,
         tracer=lambda: servicer.tracing.tracer,  # run_pod hands the servicer its tracing
-        max_body_bytes=http.max_body_bytes,
-        tool_call_parser=http.tool_call_parser,
+        config=http,
     )
     return HttpServer(front.app, args.host, http.http_port, tls)
 

@@ -13,6 +13,7 @@ from importlib import metadata
 from pathlib import Path
 
 from pdserve.launcher import DEFAULT_PORTS, ClusterPorts
+from shared.serving.reasoning import ReasoningParser
 from shared.serving.tool_calls import ToolCallParser
 
 # Subcommands that hand their argv to a service's own composition root.
@@ -105,6 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--otlp-endpoint", default=None, help="send traces of all three services to this OTLP/gRPC endpoint")
     up.add_argument("--tool-call-parser", default=None, choices=[parser.value for parser in ToolCallParser],
                     help='the router\'s: the format the model writes tool calls in (chat\'s tool_choice "auto")')
+    up.add_argument("--reasoning-parser", default=None, choices=[parser.value for parser in ReasoningParser],
+                    help="the router's: read a reasoning model's <think>...</think> apart, as chat's reasoning")
     up.add_argument("--log-dir", type=Path, default=Path("pdserve-logs"), help="where the services' logs go")
     up.add_argument("--metrics", action="store_true", help="give every service a Prometheus port and print it")
     up.add_argument("--demo", action="store_true", help="stream one completion through the system, then stop")
@@ -219,8 +222,9 @@ def _run_up(args: argparse.Namespace) -> None:
     if args.otlp_endpoint:
         pod_args += ["--otlp-endpoint", args.otlp_endpoint]
         router_args += ["--otlp-endpoint", args.otlp_endpoint]
-    if args.tool_call_parser:
-        router_args += ["--tool-call-parser", args.tool_call_parser]
+    for flag in ("tool_call_parser", "reasoning_parser"):
+        if getattr(args, flag):
+            router_args += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     print(f"starting router, prefill and decode (model {args.model}); logs in {args.log_dir}/", flush=True)
     with LocalCluster.start(
         pod_args=pod_args, router_args=router_args, with_metrics=args.metrics, log_dir=args.log_dir, ports=ports

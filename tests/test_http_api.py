@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from colocated_svc.servicer import ColocatedServicer
 from shared.engine.request import MAX_LOGPROBS, MAX_N
-from shared.serving.http_api import COMPLETIONS_PATH, HttpFront, HttpServer
+from shared.serving.http_api import COMPLETIONS_PATH, HttpConfig, HttpFront, HttpServer
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.pod_runtime import Pod, PodConfig, serving_cache_config, serving_scheduler_config
 from shared.serving.telemetry import Tracing, TracingConfig, setup_tracing
@@ -188,7 +188,7 @@ def test_colocated_hostile_bodies_get_precise_4xx_and_the_server_serves_on():
     ]
 
     async def scenario():
-        async with colocated_http(max_body_bytes=2**20) as (client, pod, url):
+        async with colocated_http(config=HttpConfig(http_max_body_mib=1)) as (client, pod, url):
             async with httpx.AsyncClient(timeout=60) as http:
                 for body, status, needle in hostile:
                     answer = await http.post(f"{url}/v1/completions", content=body)

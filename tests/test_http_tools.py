@@ -11,6 +11,7 @@ import jsonschema
 import openai
 import pytest
 
+from shared.serving.http_api import HttpConfig
 from shared.serving.tool_calls import ToolCallParser
 from tests.test_http_api import _all_free, _wait_pods_idle, _wait_until, colocated_http
 
@@ -58,7 +59,7 @@ async def _chat(client, stream: bool, **kwargs):
 @pytest.mark.timeout(180)
 def test_colocated_named_required_and_auto_tool_calls_whole_and_streamed():
     async def scenario():
-        async with colocated_http(tool_call_parser=ToolCallParser.HERMES) as (client, pod, _):
+        async with colocated_http(config=HttpConfig(tool_call_parser=ToolCallParser.HERMES)) as (client, pod, _):
             named = await _chat(client, False, tool_choice=NAMED)
             [(name, arguments)] = _calls(named.choices[0].message)
             assert name == "get_weather" and named.choices[0].message.content is None
@@ -132,7 +133,7 @@ def test_bad_tool_requests_are_400s_naming_the_problem():
 def test_split_tool_calls_match_the_colocated_server(split_cluster):
     """The router (started with --tool-call-parser hermes) answers tool calls as the colocated server does."""
     async def colocated():
-        async with colocated_http(tool_call_parser=ToolCallParser.HERMES) as (client, _, _url):
+        async with colocated_http(config=HttpConfig(tool_call_parser=ToolCallParser.HERMES)) as (client, _, _url):
             return [_calls((await _chat(client, False, **kwargs)).choices[0].message) for kwargs in CHOICES]
 
     with openai.OpenAI(base_url=split_cluster.router.http_url, api_key="unused", max_retries=0) as client:

@@ -32,6 +32,7 @@ from shared.serving import convert, openai_protocol as oai
 from shared.serving.api_auth import bearer_matches
 from shared.serving.chat_template import ChatTemplateError
 from shared.serving.outcomes import RETRY_AFTER_KEY, InvalidRequest, invalid_on_value_error
+from shared.serving.reasoning import ReasoningParser, ReasoningStream, prompt_opens_thinking, split_reasoning
 from shared.serving.settings import setting
 from shared.serving.telemetry import HttpTracingMiddleware
 from shared.serving.text import TextCodec
@@ -58,6 +59,8 @@ _SERVER_ERROR = (500, "server_error")
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 _NO_TRACER = trace.NoOpTracer()
+# Enough of a chat prompt's end to see whether its template opened the model's thinking.
+_PROMPT_TAIL_TOKENS = 16
 
 
 def _none_if_empty(value: str | None) -> str | None:
@@ -80,6 +83,9 @@ class HttpConfig:
     tool_call_parser: ToolCallParser | None = field(default=None, metadata=setting(
         'the format the model writes tool calls in, which chat\'s tool_choice "auto" reads them by (off when '
         'unset: "auto" is refused; named and "required" choices work without it)'
+    ))
+    reasoning_parser: ReasoningParser | None = field(default=None, metadata=setting(
+        "read a reasoning model's <think>...</think> apart from its answer, as chat's reasoning (off when unset)"
     ))
 
     def __post_init__(self) -> None:
@@ -165,6 +171,7 @@ class _Choice:
     text_offset: int = 0  # completions' logprobs: where the next token starts in this choice's text
     has_started: bool = False
     tool_calls: ToolCallStream | None = None  # chat with tools: its text read for tool calls as it streams
+    reasoning: ReasoningStream | None = None  # chat with a reasoning parser: its thinking read apart
 
 
 @dataclass(frozen=True)
@@ -185,6 +192,7 @@ class _Request:
     wants_logprobs: bool
     tools: ToolRequest | None = None  # chat only
     echo: _Echo | None = None  # completions only
+    opens_thinking: bool | None = None  # chat with a reasoning parser: whether the prompt ends inside <think>
 
 
 class _Response:
@@ -197,6 +205,7 @@ class _Response:
         self._wants_logprobs = parsed.wants_logprobs
         self._tools = parsed.tools if parsed.tools is not None and parsed.tools.reads_calls else None
         self._echo = parsed.echo
+        self._opens_thinking = parsed.opens_thinking
         self._token_texts = token_texts
         self._choices: dict[int, _Choice] = {}
         self._num_prompt_tokens = 0
@@ -207,6 +216,8 @@ class _Response:
         if choice is None:
             choice = self._choices[chunk.index] = _Choice(chunk.index)
             choice.tool_calls = self._tools.stream() if self._tools is not None else None
+            if self._opens_thinking is not None:
+                choice.reasoning = ReasoningStream(self._opens_thinking)
         choice.num_output_tokens = 0 if self._echo is not None and self._echo.without_output else chunk.num_output_tokens
         self._num_prompt_tokens = chunk.num_prompt_tokens  # the same prompt for every choice
         return choice
@@ -250,10 +261,18 @@ class _Response:
         return text, entries
 
     def _chat_delta(self, choice: _Choice, text: str, finish: FinishReason | None) -> tuple[dict[str, Any], str | None]:
-        """A chat chunk's delta (content, or tool calls read from the text) and its finish reason."""
+        """A chat chunk's delta (reasoning, content, or tool calls read from the text) and its finish reason."""
         finish_reason = oai.finish_reason_to_openai(finish)
+        reasoning = ""
+        if choice.reasoning is not None:
+            split = choice.reasoning.push(text)
+            if finish is not None:
+                rest = choice.reasoning.finish()
+                split.reasoning += rest.reasoning
+                split.content += rest.content
+            reasoning, text = split.reasoning, split.content
         if choice.tool_calls is None:
-            delta: dict[str, Any] = {"content": text} if text or not choice.has_started else {}
+            delta: dict[str, Any] = {"content": text} if text or not (choice.has_started or reasoning) else {}
         else:
             read = choice.tool_calls.push(text)
             if finish is not None:
@@ -264,6 +283,8 @@ class _Response:
             delta = {"content": read.content} if read.content else {}
             if read.tool_calls:
                 delta["tool_calls"] = read.tool_calls
+        if reasoning:
+            delta = {**oai.reasoning_fields(reasoning), **delta}
         if not choice.has_started:
             delta = {"role": "assistant", **delta}
         return delta, finish_reason
@@ -288,11 +309,15 @@ class _Response:
     def _chat_choice(self, choice: _Choice) -> dict[str, Any]:
         logprobs = self._logprobs(choice, choice.logprobs)
         finish_reason = oai.finish_reason_to_openai(choice.finish)
+        reasoning, text = None, choice.text
+        if self._opens_thinking is not None:
+            reasoning, text = split_reasoning(text, self._opens_thinking)
+            text = text if reasoning is None or text else None  # all thinking: no content, as vLLM
         if self._tools is None:
-            return oai.chat_choice(choice.index, choice.text, finish_reason, logprobs)
-        content, calls = self._tools.calls_in(choice.text)
+            return oai.chat_choice(choice.index, text, finish_reason, logprobs, reasoning=reasoning)
+        content, calls = self._tools.calls_in(text or "")
         finish_reason = self._tools.finish_reason(finish_reason, bool(calls))
-        return oai.chat_choice(choice.index, content, finish_reason, logprobs, tool_call_objects(calls))
+        return oai.chat_choice(choice.index, content, finish_reason, logprobs, tool_call_objects(calls), reasoning)
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self.ids.envelope(self._object(chunk=True)), "choices": [], "usage": self.usage()}
@@ -325,12 +350,12 @@ class HttpFront:
         max_model_len: Callable[[], int | None] = lambda: None,
         api_key: str | None = None,
         tracer: Callable[[], trace.Tracer] = lambda: _NO_TRACER,
-        max_body_bytes: int = HttpConfig().max_body_bytes,
-        tool_call_parser: ToolCallParser | None = None,
+        config: HttpConfig = HttpConfig(),
     ):
         """codec: the text codec (for chat templates and logprobs' token texts) once known; api_key: the
         bearer token clients must send (None: open); tracer: the service's tracer (its tracing may be set
-        up after this front), for one server span per generation request."""
+        up after this front), for one server span per generation request; config: the front's flags (body
+        limit, tool-call and reasoning parsers; its port and model name are the caller's)."""
         self._generate = generate
         self.model_name = model_name
         self._codec = codec
@@ -338,8 +363,9 @@ class HttpFront:
         self._is_ready = is_ready
         self._max_model_len = max_model_len
         self._api_key = api_key
-        self._max_body_bytes = max_body_bytes
-        self._tool_call_parser = tool_call_parser
+        self._max_body_bytes = config.max_body_bytes
+        self._tool_call_parser = config.tool_call_parser
+        self._reasoning_parser = config.reasoning_parser
         self._created = int(time.time())
         app = Starlette(routes=[
             Route(COMPLETIONS_PATH, self._completions, methods=["POST"]),
@@ -411,13 +437,16 @@ class HttpFront:
     def _generate_request_of(self, body: dict[str, Any],
                              is_chat: bool) -> tuple[generate_pb2.GenerateRequest, _Request]:
         default_max_tokens = oai.COMPLETIONS_DEFAULT_MAX_TOKENS
-        tools = echo = None
+        tools = echo = opens_thinking = None
         if is_chat:
             oai.check_fields(body, ("messages", "chat_template_kwargs", "add_generation_prompt",
                                     "continue_final_message", "logprobs", "top_logprobs", "tools", "tool_choice"))
             tools = tool_request(body, self._tool_call_parser)
             prompt: str | list[int] = self._chat_prompt(oai.chat_messages(body), oai.chat_template_options(body), tools)
             default_max_tokens = self._rest_of_context(len(prompt))
+            if self._reasoning_parser is not None:
+                opens_thinking = prompt_opens_thinking(self._codec().decode(prompt[-_PROMPT_TAIL_TOKENS:],
+                                                                            skip_special_tokens=False))
         else:
             oai.check_fields(body, ("prompt", "logprobs", "echo"))
             prompt = oai.completion_prompt(body)
@@ -437,7 +466,8 @@ class HttpFront:
             message.text = prompt
         else:
             message.token_ids.ids.extend(prompt)
-        return message, _Request(options, wants_logprobs=params.logprobs is not None, tools=tools, echo=echo)
+        return message, _Request(options, wants_logprobs=params.logprobs is not None, tools=tools, echo=echo,
+                                 opens_thinking=opens_thinking)
 
     def _echoed(self, prompt: str | list[int], options: oai.EchoOptions) -> tuple[list[int], _Echo]:
         """The prompt's token ids and its echo: the text as given (or as its token ids decode)."""

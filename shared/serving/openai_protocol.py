@@ -386,12 +386,20 @@ def completion_choice(index: int, text: str, finish: FinishReason | None,
 
 
 def chat_choice(index: int, content: str | None, finish_reason: str | None, logprobs: dict[str, Any] | None = None,
-                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """finish_reason: OpenAI's (finish_reason_to_openai, or "tool_calls"); content None beside tool calls."""
+                tool_calls: list[dict[str, Any]] | None = None, reasoning: str | None = None) -> dict[str, Any]:
+    """finish_reason: OpenAI's (finish_reason_to_openai, or "tool_calls"); content None beside tool calls;
+    reasoning: a reasoning model's thinking, when the server reads it apart."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message.update(reasoning_fields(reasoning))
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def reasoning_fields(reasoning: str) -> dict[str, str]:
+    """vLLM's field for a message's thinking, and reasoning_content, its older name that many clients read."""
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
 def chat_delta(index: int, delta: dict[str, Any], finish_reason: str | None,

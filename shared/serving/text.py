@@ -41,6 +41,15 @@ async def generate_input(message: generate_pb2.GenerateRequest, encode: Callable
     return parse()
 
 
+def tag_start_at_end(text: str, tag: str) -> int:
+    """How many characters at the end of text could be the start of tag (text streamed before them is safe
+    to send; they wait for the next piece)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
 class TextCodec:
     def __init__(self, tokenizer: Tokenizer, chat_template: ChatTemplate | None = None):
         self._tokenizer = tokenizer
@@ -66,9 +75,9 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         return encode_text(self._tokenizer, text)
 
-    def decode(self, token_ids: list[int]) -> str:
-        """The text of token ids, special tokens left out (as an output's text)."""
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of token ids, special tokens left out unless asked (as an output's text)."""
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def token_texts(self, token_ids: list[int]) -> list[str]:
         """Each token's text alone, special tokens included: how logprobs name tokens (as vLLM does)."""

@@ -20,6 +20,7 @@ from typing import Any
 
 from shared.engine.request import StructuredOutputSpec
 from shared.serving.outcomes import InvalidRequest
+from shared.serving.text import tag_start_at_end
 
 # OpenAI's rule for function names.
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -258,7 +259,7 @@ def _hermes_content_end(text: str) -> tuple[int, bool]:
     start = text.find(_HERMES_OPEN)
     if start != -1:
         return start, True
-    return len(text) - _partial_suffix(text, _HERMES_OPEN), False
+    return len(text) - tag_start_at_end(text, _HERMES_OPEN), False
 
 
 def _llama3_json_content_end(text: str) -> tuple[int, bool]:
@@ -270,14 +271,6 @@ def _llama3_json_content_end(text: str) -> tuple[int, bool]:
     if not body or _LLAMA_PYTHON_TAG.startswith(body):
         return 0, False  # undecided yet
     return len(text), False
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """How many characters at the end of text could begin tag."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
 
 
 _CONTENT_END = {ToolCallParser.HERMES: _hermes_content_end, ToolCallParser.LLAMA3_JSON: _llama3_json_content_end}
