@@ -424,3 +424,31 @@ def test_an_internal_error_is_an_openai_error_object_and_the_server_serves_on():
             await server.stop()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(120)
+def test_model_retrieve_tokenize_and_detokenize():
+    async def scenario():
+        codec = TextCodec.from_path("tiny")
+        async with colocated_http() as (client, _, url):
+            card = await client.models.retrieve("tiny")
+            assert (card.id, card.model_extra["max_model_len"]) == ("tiny", MAX_MODEL_LEN)
+            with pytest.raises(openai.NotFoundError, match="gpt-9"):
+                await client.models.retrieve("gpt-9")
+            async with httpx.AsyncClient() as http:
+                tokens = (await http.post(f"{url}/tokenize", json={"model": "tiny", "prompt": PROMPT})).json()
+                assert tokens == {"count": len(codec.encode(PROMPT)), "max_model_len": MAX_MODEL_LEN,
+                                  "tokens": codec.encode(PROMPT)}
+                messages = [{"role": "user", "content": "hi"}]
+                chat = (await http.post(f"{url}/tokenize", json={"messages": messages})).json()
+                assert chat["tokens"] == codec.encode_chat(messages)
+                text = (await http.post(f"{url}/detokenize", json={"tokens": tokens["tokens"]})).json()
+                assert text == {"prompt": PROMPT}
+                for path, body, needle in (("/detokenize", {"tokens": [1, 99999]}, "vocabulary"),
+                                           ("/detokenize", {"tokens": "abc"}, "tokens must be"),
+                                           ("/tokenize", {"prompt": 5}, "'prompt'"),
+                                           ("/tokenize", {"prompt": "x", "bogus": 1}, "'bogus'")):
+                    answer = await http.post(f"{url}{path}", json=body)
+                    assert answer.status_code == 400 and needle in answer.json()["error"]["message"], answer.text
+
+    asyncio.run(scenario())

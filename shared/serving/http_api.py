@@ -35,7 +35,7 @@ from shared.serving.outcomes import RETRY_AFTER_KEY, InvalidRequest, invalid_on_
 from shared.serving.reasoning import ReasoningParser, ReasoningStream, prompt_opens_thinking, split_reasoning
 from shared.serving.settings import setting
 from shared.serving.telemetry import HttpTracingMiddleware
-from shared.serving.text import TextCodec
+from shared.serving.text import TextCodec, encode_text
 from shared.serving.tls import TlsConfig
 from shared.serving.tool_calls import ToolCallParser, ToolCallStream, ToolRequest, tool_call_objects, tool_request, \
     template_messages
@@ -371,6 +371,9 @@ class HttpFront:
             Route(COMPLETIONS_PATH, self._completions, methods=["POST"]),
             Route(CHAT_COMPLETIONS_PATH, self._chat_completions, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self._model, methods=["GET"]),
+            Route("/tokenize", self._tokenize, methods=["POST"]),
+            Route("/detokenize", self._detokenize, methods=["POST"]),
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
         ], exception_handlers={HTTPException: _http_exception, Exception: _internal_error})
@@ -381,10 +384,69 @@ class HttpFront:
     async def _models(self, request: Request) -> Response:
         if (denied := self._check_key(request)) is not None:
             return denied
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def _model(self, request: Request) -> Response:
+        """OpenAI's retrieve: the card of the model this server serves, else 404."""
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        if (unknown := self._unknown_model({"model": request.path_params["model"]})) is not None:
+            return unknown
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict[str, Any]:
         card = {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "pdserve"}
         if (max_model_len := self._max_model_len()) is not None:
             card["max_model_len"] = max_model_len
-        return JSONResponse({"object": "list", "data": [card]})
+        return card
+
+    async def _tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a prompt's token ids (a text, or chat messages rendered with the template)."""
+        return await self._answer_tokenizer_call(request, self._tokenized)
+
+    async def _detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: the text of token ids."""
+        return await self._answer_tokenizer_call(request, self._detokenized)
+
+    async def _answer_tokenizer_call(self, request: Request, answer: Callable[[dict[str, Any], TextCodec], dict]) -> Response:
+        """A tokenizer endpoint's answer, computed off the event loop (400 when the input is wrong)."""
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        try:
+            body = await asyncio.to_thread(_parse_body, await self._raw_body(request))
+            if (unknown := self._unknown_model(body)) is not None:
+                return unknown
+            codec = self._codec()
+            if codec is None:
+                raise InvalidRequest("this server has no tokenizer: start it with --tokenizer")
+            return JSONResponse(await asyncio.to_thread(answer, body, codec))
+        except BodyTooLarge as exc:
+            return _error(413, "invalid_request_error", str(exc))
+        except InvalidRequest as exc:
+            return _error(400, "invalid_request_error", str(exc))
+
+    def _tokenized(self, body: dict[str, Any], codec: TextCodec) -> dict[str, Any]:
+        if "messages" in body:
+            oai.check_fields(body, ("messages", "chat_template_kwargs", "add_generation_prompt",
+                                    "continue_final_message", "tools", "add_special_tokens"))
+            tools = tool_request({**body, "tool_choice": "none"}, None) if body.get("tools") is not None else None
+            token_ids = self._chat_prompt(oai.chat_messages(body), oai.chat_template_options(body), tools)
+        else:
+            oai.check_fields(body, ("prompt", "add_special_tokens"))
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise InvalidRequest("'prompt' (a string) or 'messages' is required")
+            add_special_tokens = body.get("add_special_tokens", True)
+            token_ids = encode_text(codec.tokenizer, prompt,
+                                    add_special_tokens=oai.boolean("add_special_tokens", add_special_tokens))
+        return {"count": len(token_ids), "max_model_len": self._max_model_len(), "tokens": token_ids}
+
+    def _detokenized(self, body: dict[str, Any], codec: TextCodec) -> dict[str, Any]:
+        oai.check_fields(body, ("tokens",))
+        token_ids = list(oai.token_ids("tokens", body.get("tokens")))
+        if (vocab_size := codec.vocab_size) and any(token >= vocab_size for token in token_ids):
+            raise InvalidRequest(f"tokens must be ids below the vocabulary size {vocab_size}")
+        return {"prompt": codec.decode(token_ids)}
 
     async def _health(self, request: Request) -> Response:
         return Response(status_code=200 if self._is_ready() else 503)

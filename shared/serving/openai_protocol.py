@@ -49,7 +49,7 @@ def _integer(name: str, value: Any) -> int:
     return value
 
 
-def _boolean(name: str, value: Any) -> bool:
+def boolean(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise InvalidRequest(f"{name} must be true or false, got {_shortened(value)}")
     return value
@@ -60,7 +60,7 @@ def _top_k(name: str, value: Any) -> int:
     return 0 if value == -1 else value  # vLLM's "off" is -1, ours is 0
 
 
-def _token_ids(name: str, value: Any) -> tuple[int, ...]:
+def token_ids(name: str, value: Any) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(_is_token_id(t) for t in value):
         raise InvalidRequest(f"{name} must be a list of token ids (integers in [0, {UINT32_MAX}]), got "
                              f"{_shortened(value)}")
@@ -138,10 +138,10 @@ SAMPLING_FIELDS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "top_k": ("top_k", _top_k),
     "min_p": ("min_p", _number),
     "seed": ("seed", _integer),
-    "stop_token_ids": ("stop_token_ids", _token_ids),
-    "ignore_eos": ("ignore_eos", _boolean),
+    "stop_token_ids": ("stop_token_ids", token_ids),
+    "ignore_eos": ("ignore_eos", boolean),
     "stop": ("stop", _stop),
-    "include_stop_str_in_output": ("include_stop_str_in_output", _boolean),
+    "include_stop_str_in_output": ("include_stop_str_in_output", boolean),
     "presence_penalty": ("presence_penalty", _number),
     "frequency_penalty": ("frequency_penalty", _number),
     "repetition_penalty": ("repetition_penalty", _number),
@@ -180,7 +180,7 @@ class EchoOptions:
 
 def completion_echo(body: dict[str, Any]) -> EchoOptions | None:
     echo = body.get("echo")
-    if echo is None or not _boolean("echo", echo):
+    if echo is None or not boolean("echo", echo):
         return None
     return EchoOptions(without_output=body.get("max_tokens") == 0)
 
@@ -238,7 +238,7 @@ def completion_logprobs_count(body: dict[str, Any]) -> int | None:
 def chat_logprobs_count(body: dict[str, Any]) -> int | None:
     """/v1/chat/completions' `logprobs: true` with `top_logprobs: k` (0 when absent), as OpenAI and vLLM
     take them: a positive top_logprobs needs logprobs true."""
-    wanted = body.get("logprobs") is not None and _boolean("logprobs", body["logprobs"])
+    wanted = body.get("logprobs") is not None and boolean("logprobs", body["logprobs"])
     top = body.get("top_logprobs")
     count = 0 if top is None else _logprobs_count("top_logprobs", top)
     if count and not wanted:
@@ -272,7 +272,7 @@ class StreamOptions:
 
 
 def stream_options_from_openai(body: dict[str, Any]) -> StreamOptions:
-    is_streaming = body.get("stream") is not None and _boolean("stream", body["stream"])
+    is_streaming = body.get("stream") is not None and boolean("stream", body["stream"])
     options = body.get("stream_options")
     if options is None:
         return StreamOptions(is_streaming, False, False)
@@ -285,8 +285,8 @@ def stream_options_from_openai(body: dict[str, Any]) -> StreamOptions:
         raise InvalidRequest(f"unknown stream_options field '{sorted(unknown)[0]}'")
     return StreamOptions(
         True,
-        _boolean("stream_options.include_usage", options.get("include_usage", False)),
-        _boolean("stream_options.continuous_usage_stats", options.get("continuous_usage_stats", False)),
+        boolean("stream_options.include_usage", options.get("include_usage", False)),
+        boolean("stream_options.continuous_usage_stats", options.get("continuous_usage_stats", False)),
     )
 
 
@@ -304,7 +304,7 @@ def completion_prompt(body: dict[str, Any]) -> str | list[int]:
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise InvalidRequest(f"one prompt per request: got a batch of {len(prompt)}")
-    return list(_token_ids("prompt", prompt)) or _empty_prompt()
+    return list(token_ids("prompt", prompt)) or _empty_prompt()
 
 
 def _empty_prompt():
@@ -341,9 +341,9 @@ def chat_template_options(body: dict[str, Any]) -> ChatTemplateOptions:
     if not isinstance(variables, dict):
         raise InvalidRequest(f"chat_template_kwargs must be an object, got {_shortened(variables)}")
     return ChatTemplateOptions(
-        add_generation_prompt=True if add_generation_prompt is None else _boolean("add_generation_prompt",
+        add_generation_prompt=True if add_generation_prompt is None else boolean("add_generation_prompt",
                                                                                   add_generation_prompt),
-        continue_final_message=continue_final_message is not None and _boolean("continue_final_message",
+        continue_final_message=continue_final_message is not None and boolean("continue_final_message",
                                                                                continue_final_message),
         template_variables=variables,
     )
