@@ -137,6 +137,10 @@ def test_colocated_stop_penalties_and_json_schema_through_the_openai_client():
                 model="tiny", messages=[{"role": "user", "content": "colour?"}], max_tokens=40, temperature=0,
                 response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
             jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+            choice = await client.chat.completions.create(  # vLLM's current form of its constraints
+                model="tiny", messages=[{"role": "user", "content": "colour?"}], max_tokens=10, temperature=1.0,
+                extra_body={"structured_outputs": {"choice": ["red", "green"]}})
+            assert choice.choices[0].message.content in ("red", "green")
             await _wait_until(lambda: _all_free(pod))
 
     asyncio.run(scenario())

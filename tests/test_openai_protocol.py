@@ -245,6 +245,25 @@ def test_guided_choice_is_a_grammar_of_its_literals():
         oai.sampling_params_from_openai({"guided_choice": []})
 
 
+def test_structured_outputs_takes_vllms_current_form_of_each_constraint():
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    cases = {"json": (schema, StructuredOutputSpec(json_schema=json.dumps(schema))),
+             "regex": ("a+", StructuredOutputSpec(regex="a+")),
+             "grammar": ('start: "x"', StructuredOutputSpec(grammar='start: "x"')),
+             "choice": (["yes", "no"], StructuredOutputSpec(grammar='start: "yes" | "no"')),
+             "json_object": (True, StructuredOutputSpec(json_object=True))}
+    for key, (value, spec) in cases.items():
+        body = {"structured_outputs": {key: value, "whitespace_pattern": None}}
+        assert oai.sampling_params_from_openai(body).structured_output == spec
+    for value, message in (({"regex": "a", "choice": ["b"]}, "exactly one"), ({}, "exactly one"),
+                           ({"structural_tag": "{}"}, "'structured_outputs.structural_tag' is not supported"),
+                           ({"choice": []}, "structured_outputs.choice"), ("a+", "must be an object")):
+        with pytest.raises(InvalidRequest, match=message):
+            oai.sampling_params_from_openai({"structured_outputs": value})
+    with pytest.raises(InvalidRequest, match="response_format and structured_outputs"):
+        oai.sampling_params_from_openai({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}})
+
+
 def test_null_means_unset_for_stream_and_known_openai_fields():
     assert not oai.stream_options_from_openai({"stream": None}).is_streaming
     oai.check_fields({"reasoning_effort": None, "audio": None, "modalities": ["text"], "prompt_cache_key": "k",

@@ -128,6 +128,29 @@ def _guided_choice(name: str, value: Any) -> StructuredOutputSpec:
     return StructuredOutputSpec(grammar="start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
 
 
+# vLLM's structured_outputs object (which replaced its guided_* fields): each constraint by its key there.
+_STRUCTURED_OUTPUTS = {"json": _guided("json_schema"), "regex": _guided("regex"), "grammar": _guided("grammar"),
+                       "choice": _guided_choice}
+
+
+def _structured_outputs(name: str, value: Any) -> StructuredOutputSpec:
+    """vLLM's {"structured_outputs": {"json" | "regex" | "choice" | "grammar" | "json_object": ...}}: exactly one
+    constraint; an option this server does not honour (whitespace_pattern, structural_tag, ...) is refused."""
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{name} must be an object, got {_shortened(value)}")
+    given = {key: option for key, option in value.items() if option is not None and option is not False}
+    unsupported = sorted(set(given) - {*_STRUCTURED_OUTPUTS, "json_object"})
+    if unsupported:
+        raise InvalidRequest(f"'{name}.{unsupported[0]}' is not supported by this server")
+    if len(given) != 1:
+        raise InvalidRequest(f"{name} takes exactly one of {', '.join([*_STRUCTURED_OUTPUTS, 'json_object'])}")
+    [(kind, option)] = given.items()
+    if kind == "json_object":
+        boolean(f"{name}.json_object", option)
+        return StructuredOutputSpec(json_object=True)
+    return _STRUCTURED_OUTPUTS[kind](f"{name}.{kind}", option)
+
+
 # The one mapping from OpenAI request fields to SamplingParams fields: field -> (param, parse).
 # A supported option is one more row here.
 SAMPLING_FIELDS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
@@ -152,6 +175,7 @@ SAMPLING_FIELDS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "guided_regex": ("structured_output", _guided("regex")),
     "guided_grammar": ("structured_output", _guided("grammar")),
     "guided_choice": ("structured_output", _guided_choice),
+    "structured_outputs": ("structured_output", _structured_outputs),
     "n": ("n", _integer),
 }
 
