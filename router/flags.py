@@ -87,11 +87,18 @@ class PoolConfig:
     probe_timeout_s: float = field(default=1.0, metadata=setting(
         "seconds a health or load probe may take", flag="--probe-timeout"
     ))
+    # A busy or briefly paused pod answers a probe late; taking it out of rotation for that would fail
+    # requests it is about to serve. One that refuses connections or says it is not serving goes at once.
+    slow_probes_to_unhealthy: int = field(default=3, metadata=setting(
+        "consecutive timed-out probes that take a healthy worker out of rotation", flag="--slow-probes-to-unhealthy"
+    ))
 
     def __post_init__(self) -> None:
         for name in ("health_interval_s", "resolve_interval_s", "probe_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.slow_probes_to_unhealthy < 1:
+            raise ValueError(f"slow_probes_to_unhealthy must be >= 1, got {self.slow_probes_to_unhealthy}")
 
 
 @dataclass(frozen=True)

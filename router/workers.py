@@ -45,6 +45,7 @@ class _Worker:
     is_retired: bool = False
     overloaded_until: float | None = None  # monotonic time a refusal's retry hint runs out
     probe_problem: str | None = None  # why the last probe found it unhealthy (logged when it changes)
+    num_slow_probes: int = 0  # consecutive probes that timed out
 
 
 class WorkerPool:
@@ -171,8 +172,11 @@ class WorkerPool:
                 response = await worker.probe_stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout)
                 load = convert.load_report_from_proto(response.load)
         except grpc.aio.AioRpcError as exc:
+            if self._tolerates_slow_probe(worker, exc):
+                return  # its last state and load stand
             is_healthy, load, health = False, None, None
             self._note_problem(worker, f"probe failed: {exc.code().name}: {exc.details()}", logging.WARNING)
+        worker.num_slow_probes = 0
         if health is not None and not is_healthy:  # loading or draining: normal for a while
             status = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
             self._note_problem(worker, f"health says {status}", logging.INFO)
@@ -180,6 +184,18 @@ class WorkerPool:
             logger.info("%s pool: %s is now healthy", self.tier, worker.address)
             worker.probe_problem = None
         worker.is_healthy, worker.load = is_healthy, load
+
+    def _tolerates_slow_probe(self, worker: _Worker, error: grpc.aio.AioRpcError) -> bool:
+        """Whether a healthy worker stays in rotation despite this probe timing out (not yet the configured
+        number of timeouts in a row)."""
+        if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED or not worker.is_healthy:
+            return False
+        worker.num_slow_probes += 1
+        if worker.num_slow_probes >= self.config.slow_probes_to_unhealthy:
+            return False
+        logger.info("%s pool: %s answered no probe within %.1f s (%d in a row); kept in rotation", self.tier,
+                    worker.address, self.config.probe_timeout_s, worker.num_slow_probes)
+        return True
 
     def _note_problem(self, worker: _Worker, problem: str, level: int) -> None:
         """Say why a worker is unhealthy, once per cause: a TLS or address mistake shows in the log, not

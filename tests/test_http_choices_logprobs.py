@@ -273,3 +273,39 @@ def test_echo_gives_the_prompt_and_its_logprobs_before_the_completion(split_clus
 
     asyncio.run(scenario())
     _wait_pods_idle(split_cluster)
+
+
+def test_a_batch_of_prompts_answers_each_prompts_choices_in_order(split_cluster):
+    """prompt as a list (texts or token ids): prompt i's n completions are choices i*n .. i*n+n-1, each what
+    that prompt alone gives; usage counts every prompt once. Split as colocated, streamed or not."""
+    codec = TextCodec.from_path("tiny")
+    prompts = ["The router", codec.encode("streams tokens"), "from the decode pod"]
+    options = dict(max_tokens=4, temperature=0, n=2, extra_body={"ignore_eos": True})
+
+    async def scenario():
+        async with colocated_http() as (colocated, pod, _):
+            async with openai.AsyncOpenAI(base_url=split_cluster.router.http_url, api_key="unused",
+                                          max_retries=0) as split:
+                alone = [(await colocated.completions.create(model="tiny", prompt=prompt, **options))
+                         for prompt in prompts]
+                expected = [choice.text for answer in alone for choice in answer.choices]
+                num_prompt_tokens = sum(answer.usage.prompt_tokens for answer in alone)
+                for client in (split, colocated):
+                    whole = await client.completions.create(model="tiny", prompt=prompts, **options)
+                    assert [choice.index for choice in whole.choices] == list(range(6))
+                    assert [choice.text for choice in whole.choices] == expected
+                    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (num_prompt_tokens, 24)
+                    stream = await client.completions.create(model="tiny", prompt=prompts, stream=True,
+                                                             stream_options={"include_usage": True}, **options)
+                    texts = [""] * 6
+                    async for chunk in stream:
+                        for choice in chunk.choices:
+                            texts[choice.index] += choice.text
+                        usage = chunk.usage
+                    assert texts == expected and usage.prompt_tokens == num_prompt_tokens
+                    echoed = await client.completions.create(model="tiny", prompt=prompts[::2], echo=True, max_tokens=0)
+                    assert [choice.text for choice in echoed.choices] == prompts[::2]
+            await _wait_until(lambda: _all_free(pod))
+
+    asyncio.run(scenario())
+    _wait_pods_idle(split_cluster)

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.e2e
 
 MESSAGES = [{"role": "user", "content": "Which is larger, 9.11 or 9.8?"}]
 THOUGHT = "<think>\nCompare the tenths.\n</think>\n\n9.8 is larger."
-TOOL_CALL = '<think>\nI should look it up.\n</think>\n<tool_call>\n{"name": "lookup", "arguments": {"q": "x"}}\n</tool_call>'
+TOOL_CALL = ('<think>\nI should look it up.\n</think>\n'
+             '<tool_call>\n{"name": "lookup", "arguments": {"q": "x"}}\n</tool_call>')
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
     "type": "object", "properties": {"q": {"type": "string"}}}}}]
 

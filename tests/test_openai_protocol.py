@@ -154,15 +154,19 @@ def test_chat_logprobs_as_openai_writes_them():
     }]}
 
 
-def test_prompts_as_vllm_takes_them():
-    assert oai.completion_prompt({"prompt": "hi"}) == "hi"
-    assert oai.completion_prompt({"prompt": [5, 6]}) == [5, 6]
-    assert oai.completion_prompt({"prompt": ["hi"]}) == "hi"
-    assert oai.completion_prompt({"prompt": [[5, 6]]}) == [5, 6]
+def test_prompts_as_openai_and_vllm_take_them():
+    assert oai.completion_prompts({"prompt": "hi"}) == ["hi"]
+    assert oai.completion_prompts({"prompt": [5, 6]}) == [[5, 6]]
+    assert oai.completion_prompts({"prompt": ["hi"]}) == ["hi"]
+    assert oai.completion_prompts({"prompt": [[5, 6]]}) == [[5, 6]]
+    assert oai.completion_prompts({"prompt": ["a", [7], "b"]}) == ["a", [7], "b"]
+    too_many = ["x"] * (oai.MAX_COMPLETIONS_PER_REQUEST // 2 + 1)
     for body, needle in (({}, "'prompt' is required"), ({"prompt": ""}, "empty"), ({"prompt": []}, "empty"),
-                         ({"prompt": ["a", "b"]}, "one prompt per request"), ({"prompt": [1, True]}, "token ids")):
+                         ({"prompt": ["a", ""]}, r"prompt\[1\] text is empty"), ({"prompt": [1, True]}, "token ids"),
+                         ({"prompt": ["a", [1, -1]]}, r"prompt\[1\] must be"),
+                         ({"prompt": too_many, "n": 2}, "at most 128 completions")):
         with pytest.raises(InvalidRequest, match=needle):
-            oai.completion_prompt(body)
+            oai.completion_prompts(body)
 
 
 def test_stream_options():

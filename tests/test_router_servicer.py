@@ -109,6 +109,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
         self.num_refused = 0
         self.pull_outcome = pull_outcome  # what the pull of a handle came to (default: pulled)
         self.deny_handles = deny_handles  # refuse every handle, as a pod with another handle key does
+        self.load_delay_s = 0.0  # GetLoad answers this late (a busy or paused pod's probe)
 
     async def Decode(self, request, context):
         work = convert.decode_request_from_proto(request)
@@ -151,6 +152,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
             raise
 
     async def GetLoad(self, request, context):
+        await asyncio.sleep(self.load_delay_s)
         return common_pb2.GetLoadResponse(load=common_pb2.LoadReport(is_overloaded=self.overloaded), engine_id="eng-d")
 
 
@@ -166,8 +168,11 @@ class Cluster:
     """Fake pods + the router servicer on a real gRPC server, all on 127.0.0.1."""
 
     def __init__(self, prefills, decodes, *, policy="round-robin", codec=None, decode_serving=True,
-                 request_timeout_s=None, tracer=None, **router_settings):
+                 request_timeout_s=None, tracer=None,
+                 pool_config=PoolConfig(health_interval_s=30, resolve_interval_s=30, probe_timeout_s=2),
+                 **router_settings):
         self.prefills, self.decodes, self.request_timeout_s = prefills, decodes, request_timeout_s
+        self.pool_config = pool_config
         self.tracer = tracer
         self.policy, self.codec, self.decode_serving = policy, codec, decode_serving
         self.router_settings = router_settings
@@ -177,7 +182,7 @@ class Cluster:
                                          "pdserve.v1.PrefillService") for p in self.prefills]
         self.decode_servers = [await start_fake(d, decode_pb2_grpc.add_DecodeServiceServicer_to_server,
                                                 "pdserve.v1.DecodeService", self.decode_serving) for d in self.decodes]
-        pool_config = PoolConfig(health_interval_s=30, resolve_interval_s=30, probe_timeout_s=2)
+        pool_config = self.pool_config
         prefill_specs = [parse_worker_spec(s.address) for s in self.servers]
         decode_specs = [parse_worker_spec(s.address) for s in self.decode_servers]
         self.prefill_pool = WorkerPool("prefill", prefill_specs, prefill_pb2_grpc.PrefillServiceStub,
@@ -774,3 +779,29 @@ def test_bad_tokenizer_file_is_a_clear_error(tmp_path):
     bad.write_text("not json")
     with pytest.raises(ValueError, match="cannot load tokenizer"):
         TextCodec.from_path(str(bad))
+
+
+def test_a_slow_probe_keeps_a_worker_in_rotation_until_several_come_in_a_row():
+    """A pod that answers probes late (busy, or paused a moment) keeps serving; only the configured number
+    of timeouts in a row takes it out, and a pod that refuses connections goes at once."""
+    async def scenario():
+        decode = FakeDecode()
+        pool_config = PoolConfig(health_interval_s=30, resolve_interval_s=30, probe_timeout_s=0.2,
+                                 slow_probes_to_unhealthy=3)
+        async with Cluster([FakePrefill()], [decode], pool_config=pool_config) as cluster:
+            pool, address = cluster.decode_pool, cluster.decode_servers[0].address
+            decode.load_delay_s = 0.5
+            for _ in range(2):
+                await pool.poll()
+                assert pool.is_healthy(address)
+            assert tokens(await cluster.generate([5, 6, 7], max_tokens=3)) == expected_output([5, 6, 7], 3)
+            await pool.poll()
+            assert not pool.is_healthy(address)
+            decode.load_delay_s = 0.0
+            await pool.poll()
+            assert pool.is_healthy(address)
+            await cluster.decode_servers[0].stop(0)
+            await pool.poll()
+            assert not pool.is_healthy(address)
+
+    run(scenario())

@@ -207,7 +207,8 @@ def test_prompt_logprobs_split_decode_only_and_colocated_match_the_engine(system
     from shared.engine.sched_config import CacheConfig, SchedulerConfig
 
     router, colocated, cluster = systems
-    engine = LLMEngine(model_dir, SchedulerConfig(max_model_len=MAX_MODEL_LEN), CacheConfig(block_size=16, num_blocks=32))
+    engine = LLMEngine(model_dir, SchedulerConfig(max_model_len=MAX_MODEL_LEN),
+                       CacheConfig(block_size=16, num_blocks=32))
     [expected] = engine.generate([PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=2))
     expected = expected.prompt_logprobs[1:]
     assert len(expected) == len(PROMPT) - 1

@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 from proto.pdserve.v1 import generate_pb2
 from shared.engine.request import FinishReason, TokenLogprobs
-from shared.serving import convert, openai_protocol as oai
+from shared.serving import convert, fan_out, openai_protocol as oai
 from shared.serving.api_auth import bearer_matches
 from shared.serving.chat_template import ChatTemplateError
 from shared.serving.outcomes import RETRY_AFTER_KEY, InvalidRequest, invalid_on_value_error
@@ -190,8 +190,9 @@ class _Request:
 
     options: oai.StreamOptions
     wants_logprobs: bool
+    n: int = 1  # completions per prompt
     tools: ToolRequest | None = None  # chat only
-    echo: _Echo | None = None  # completions only
+    echoes: tuple[_Echo, ...] = ()  # completions with echo: one per prompt
     opens_thinking: bool | None = None  # chat with a reasoning parser: whether the prompt ends inside <think>
 
 
@@ -204,11 +205,12 @@ class _Response:
         self.ids = oai.ResponseIds.new("chatcmpl" if is_chat else "cmpl", model)
         self._wants_logprobs = parsed.wants_logprobs
         self._tools = parsed.tools if parsed.tools is not None and parsed.tools.reads_calls else None
-        self._echo = parsed.echo
+        self._n = parsed.n
+        self._echoes = parsed.echoes
         self._opens_thinking = parsed.opens_thinking
         self._token_texts = token_texts
         self._choices: dict[int, _Choice] = {}
-        self._num_prompt_tokens = 0
+        self._num_prompt_tokens: dict[int, int] = {}  # by prompt (a batch of completions has several)
 
     def _choice_of(self, chunk: generate_pb2.GenerateResponse) -> _Choice:
         """The chunk's choice, its token count brought up to date."""
@@ -218,8 +220,10 @@ class _Response:
             choice.tool_calls = self._tools.stream() if self._tools is not None else None
             if self._opens_thinking is not None:
                 choice.reasoning = ReasoningStream(self._opens_thinking)
-        choice.num_output_tokens = 0 if self._echo is not None and self._echo.without_output else chunk.num_output_tokens
-        self._num_prompt_tokens = chunk.num_prompt_tokens  # the same prompt for every choice
+        echo = self._echo_of(choice)
+        without_output = echo is not None and echo.without_output  # its one sampled token is not returned
+        choice.num_output_tokens = 0 if without_output else chunk.num_output_tokens
+        self._num_prompt_tokens[chunk.index // self._n] = chunk.num_prompt_tokens  # the same for its n choices
         return choice
 
     def _logprobs(self, choice: _Choice, entries: list[TokenLogprobs | int]) -> dict[str, Any] | None:
@@ -250,17 +254,22 @@ class _Response:
     def _completion_piece(self, choice: _Choice, chunk: generate_pb2.GenerateResponse) -> tuple[str, list]:
         """A completion chunk's text and logprob entries, after the echoed prompt on the choice's first."""
         text, entries = chunk.text, _token_logprobs(chunk)
-        if self._echo is None:
+        echo = self._echo_of(choice)
+        if echo is None:
             return text, entries
-        if self._echo.without_output:
+        if echo.without_output:
             text, entries = "", []
         if not choice.has_started:
             prompt_entries = [convert.token_logprobs_from_proto(entry) for entry in chunk.prompt_logprobs]
-            text = self._echo.text + text
-            entries = [self._echo.first_token_id, *prompt_entries, *entries]
+            text = echo.text + text
+            entries = [echo.first_token_id, *prompt_entries, *entries]
         return text, entries
 
-    def _chat_delta(self, choice: _Choice, text: str, finish: FinishReason | None) -> tuple[dict[str, Any], str | None]:
+    def _echo_of(self, choice: _Choice) -> _Echo | None:
+        return self._echoes[choice.index // self._n] if self._echoes else None
+
+    def _chat_delta(self, choice: _Choice, text: str,
+                    finish: FinishReason | None) -> tuple[dict[str, Any], str | None]:
         """A chat chunk's delta (reasoning, content, or tool calls read from the text) and its finish reason."""
         finish_reason = oai.finish_reason_to_openai(finish)
         reasoning = ""
@@ -323,8 +332,9 @@ class _Response:
         return {**self.ids.envelope(self._object(chunk=True)), "choices": [], "usage": self.usage()}
 
     def usage(self) -> dict[str, int]:
-        """The prompt once, the output tokens of every choice."""
-        return oai.usage(self._num_prompt_tokens, sum(c.num_output_tokens for c in self._choices.values()))
+        """Each prompt once, the output tokens of every choice."""
+        num_output_tokens = sum(choice.num_output_tokens for choice in self._choices.values())
+        return oai.usage(sum(self._num_prompt_tokens.values()), num_output_tokens)
 
     def _object(self, chunk: bool) -> str:
         if self.is_chat:
@@ -408,7 +418,8 @@ class HttpFront:
         """vLLM's /detokenize: the text of token ids."""
         return await self._answer_tokenizer_call(request, self._detokenized)
 
-    async def _answer_tokenizer_call(self, request: Request, answer: Callable[[dict[str, Any], TextCodec], dict]) -> Response:
+    async def _answer_tokenizer_call(self, request: Request,
+                                     answer: Callable[[dict[str, Any], TextCodec], dict]) -> Response:
         """A tokenizer endpoint's answer, computed off the event loop (400 when the input is wrong)."""
         if (denied := self._check_key(request)) is not None:
             return denied
@@ -428,7 +439,7 @@ class HttpFront:
     def _tokenized(self, body: dict[str, Any], codec: TextCodec) -> dict[str, Any]:
         if "messages" in body:
             oai.check_fields(body, ("messages", "chat_template_kwargs", "add_generation_prompt",
-                                    "continue_final_message", "tools", "add_special_tokens"))
+                                    "continue_final_message", "tools"))
             tools = tool_request({**body, "tool_choice": "none"}, None) if body.get("tools") is not None else None
             token_ids = self._chat_prompt(oai.chat_messages(body), oai.chat_template_options(body), tools)
         else:
@@ -473,11 +484,11 @@ class HttpFront:
             body = await asyncio.to_thread(_parse_body, raw)
             if (unknown := self._unknown_model(body)) is not None:
                 return unknown
-            message, parsed = await asyncio.to_thread(self._generate_request, body, is_chat)
+            messages, parsed = await asyncio.to_thread(self._generate_requests, body, is_chat)
         except InvalidRequest as exc:
             return _error(400, "invalid_request_error", str(exc))
         response = _Response(is_chat, self.model_name, parsed, self._token_texts)
-        responses = self._generate(message, InProcessContext()).__aiter__()
+        responses = self._generations(messages, parsed.n).__aiter__()
         try:
             # Bad input ends the call before its first chunk: answer it with a status, not a stream.
             first = await _unless_disconnected(request, anext(responses))
@@ -492,44 +503,68 @@ class HttpFront:
                 self._stream(response, parsed.options, first, responses), media_type="text/event-stream")
         return await self._whole(request, response, first, responses)
 
-    def _generate_request(self, body: dict[str, Any], is_chat: bool) -> tuple[generate_pb2.GenerateRequest, _Request]:
-        with invalid_on_value_error():  # a value out of a proto field's range, for one
-            return self._generate_request_of(body, is_chat)
+    def _generations(self, messages: list[generate_pb2.GenerateRequest], n: int) -> AsyncIterator:
+        """The chunks of one Generate call per prompt, as they come; prompt i's completions are choices
+        i*n .. i*n+n-1 (OpenAI's order for a batch of prompts)."""
+        if len(messages) == 1:
+            return self._generate(messages[0], InProcessContext())
 
-    def _generate_request_of(self, body: dict[str, Any],
-                             is_chat: bool) -> tuple[generate_pb2.GenerateRequest, _Request]:
+        async def one(prompt_index: int) -> AsyncIterator:
+            async for chunk in self._generate(messages[prompt_index], InProcessContext()):
+                chunk.index += prompt_index * n
+                yield chunk
+
+        return fan_out.merge(one, len(messages))
+
+    def _generate_requests(self, body: dict[str, Any],
+                           is_chat: bool) -> tuple[list[generate_pb2.GenerateRequest], _Request]:
+        with invalid_on_value_error():  # a value out of a proto field's range, for one
+            return self._generate_requests_of(body, is_chat)
+
+    def _generate_requests_of(self, body: dict[str, Any],
+                              is_chat: bool) -> tuple[list[generate_pb2.GenerateRequest], _Request]:
+        """One Generate message per prompt (chat has one; completions may send a batch) and what the
+        response needs to know of the request."""
         default_max_tokens = oai.COMPLETIONS_DEFAULT_MAX_TOKENS
-        tools = echo = opens_thinking = None
+        tools = echo_options = opens_thinking = None
+        echoes: tuple[_Echo, ...] = ()
         if is_chat:
             oai.check_fields(body, ("messages", "chat_template_kwargs", "add_generation_prompt",
                                     "continue_final_message", "logprobs", "top_logprobs", "tools", "tool_choice"))
             tools = tool_request(body, self._tool_call_parser)
-            prompt: str | list[int] = self._chat_prompt(oai.chat_messages(body), oai.chat_template_options(body), tools)
+            prompt = self._chat_prompt(oai.chat_messages(body), oai.chat_template_options(body), tools)
+            prompts: list[str | list[int]] = [prompt]
             default_max_tokens = self._rest_of_context(len(prompt))
             if self._reasoning_parser is not None:
                 opens_thinking = prompt_opens_thinking(self._codec().decode(prompt[-_PROMPT_TAIL_TOKENS:],
                                                                             skip_special_tokens=False))
         else:
             oai.check_fields(body, ("prompt", "logprobs", "echo"))
-            prompt = oai.completion_prompt(body)
+            prompts = oai.completion_prompts(body)
             echo_options = oai.completion_echo(body)
             if echo_options is not None:
-                prompt, echo = self._echoed(prompt, echo_options)
+                echoed = [self._echoed(prompt, echo_options) for prompt in prompts]
+                prompts, echoes = [ids for ids, _ in echoed], tuple(echo for _, echo in echoed)
         options = oai.stream_options_from_openai(body)
         params = oai.sampling_params_from_openai(body, is_chat=is_chat, default_max_tokens=default_max_tokens,
                                                  tool_constraint=tools.constraint() if tools is not None else None,
-                                                 echo=echo_options if not is_chat else None)
+                                                 echo=echo_options)
         sampling = convert.sampling_params_to_proto(params)
         request_id = body.get("request_id") or ""
         if not isinstance(request_id, str):
             raise InvalidRequest(f"request_id must be a string, got {request_id!r}")
-        message = generate_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
-        if isinstance(prompt, str):
-            message.text = prompt
-        else:
-            message.token_ids.ids.extend(prompt)
-        return message, _Request(options, wants_logprobs=params.logprobs is not None, tools=tools, echo=echo,
-                                 opens_thinking=opens_thinking)
+        messages = []
+        for index, prompt in enumerate(prompts):
+            # A batch's prompts run as requests of their own, each with an id of its own.
+            message_id = f"{request_id}-{index}" if request_id and len(prompts) > 1 else request_id
+            message = generate_pb2.GenerateRequest(request_id=message_id, sampling=sampling)
+            if isinstance(prompt, str):
+                message.text = prompt
+            else:
+                message.token_ids.ids.extend(prompt)
+            messages.append(message)
+        return messages, _Request(options, wants_logprobs=params.logprobs is not None, n=params.n, tools=tools,
+                                  echoes=echoes, opens_thinking=opens_thinking)
 
     def _echoed(self, prompt: str | list[int], options: oai.EchoOptions) -> tuple[list[int], _Echo]:
         """The prompt's token ids and its echo: the text as given (or as its token ids decode)."""
@@ -557,7 +592,8 @@ class HttpFront:
             return [f"token_id:{token_id}" for token_id in token_ids]
         return codec.token_texts(token_ids)
 
-    def _chat_prompt(self, messages: list[dict], options: oai.ChatTemplateOptions, tools: ToolRequest | None) -> list[int]:
+    def _chat_prompt(self, messages: list[dict], options: oai.ChatTemplateOptions,
+                     tools: ToolRequest | None) -> list[int]:
         codec = self._codec()
         if codec is None:
             raise InvalidRequest("chat needs a tokenizer with a chat template: start the server with --tokenizer")

@@ -26,6 +26,9 @@ from shared.serving.outcomes import InvalidRequest
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 # vLLM's completions default when the request names no max_tokens (chat's is the rest of the context).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# A batch of prompts runs as this many completions at most (prompts x n), so one request cannot take a
+# pod's whole admission.
+MAX_COMPLETIONS_PER_REQUEST = 128
 # vLLM clamps -inf log-probabilities to this, so the JSON stays valid.
 MIN_LOGPROB = -9999.0
 
@@ -314,25 +317,30 @@ def stream_options_from_openai(body: dict[str, Any]) -> StreamOptions:
     )
 
 
-def completion_prompt(body: dict[str, Any]) -> str | list[int]:
-    """The prompt of a completions request as vLLM accepts it: text, token ids, or a one-element list of
-    either."""
+def completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    """The prompts of a completions request as OpenAI and vLLM take them: a text, token ids, or a list of
+    either (a batch: each prompt gets its n completions)."""
     prompt = body.get("prompt")
     if prompt is None:
         raise InvalidRequest("'prompt' is required")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    if isinstance(prompt, str) or not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
+        return [_one_prompt("prompt", prompt)]
+    num_completions = len(prompt) * (body.get("n") if isinstance(body.get("n"), int) else 1)
+    if num_completions > MAX_COMPLETIONS_PER_REQUEST:
+        raise InvalidRequest(f"a request asks for at most {MAX_COMPLETIONS_PER_REQUEST} completions (prompts x n), "
+                             f"got {num_completions}")
+    return [_one_prompt(f"prompt[{index}]", item) for index, item in enumerate(prompt)]
+
+
+def _one_prompt(name: str, prompt: Any) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise InvalidRequest("prompt text is empty")
+            raise InvalidRequest(f"{name} text is empty")
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise InvalidRequest(f"one prompt per request: got a batch of {len(prompt)}")
-    return list(token_ids("prompt", prompt)) or _empty_prompt()
-
-
-def _empty_prompt():
-    raise InvalidRequest("prompt token ids are empty")
+    ids = list(token_ids(name, prompt))
+    if not ids:
+        raise InvalidRequest(f"{name} token ids are empty")
+    return ids
 
 
 def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -42,8 +42,9 @@ def serving_cache_config() -> CacheConfig:
     return CacheConfig(block_size=16, num_blocks=4096, enable_prefix_caching=True)
 
 
-# The retry hint of a refusal: about a few engine steps, when the first requests in flight finish.
-OVERLOAD_RETRY_AFTER_MS = 50
+# The retry hint of a refusal. The pod refuses only past a deep queue, which drains in seconds, not steps;
+# clients (the openai SDK among them) wait exactly this long, so a shorter hint spends their retries at once.
+OVERLOAD_RETRY_AFTER_MS = 1000
 
 # PodConfig fields only one role has a flag for.
 PRODUCER_SETTINGS = ("lease_s", "advertise_address")
@@ -82,11 +83,11 @@ class PodConfig:
         num_blocks="KV blocks in the pool",
         enable_prefix_caching=setting("turn prefix caching off", flag="--no-prefix-caching"),
     ))
-    # Bounded so that overload is refused at once (the router tries another pod, then backs off)
-    # instead of queueing: every request in flight slows every step, so past a small batch more
-    # admissions only add latency. 16 keeps the served requests' p50 within 3x of the unloaded
-    # figure under 2x overload on the CPU (benchmarks/bench_overload.py); raise it for big batches.
-    max_requests_in_flight: int = field(default=16, metadata=setting(
+    # Requests beyond the running batch (--max-num-seqs) wait in the scheduler's queue, as in vLLM: a
+    # burst is served late rather than refused (clients give up on refusals within their few retries).
+    # The bound keeps a flood from growing the queue without end; lower it to refuse overload early
+    # (the router then tries another pod; benchmarks/bench_overload.py measures both).
+    max_requests_in_flight: int = field(default=1024, metadata=setting(
         "requests in flight (running and queued) beyond which new ones get RESOURCE_EXHAUSTED with a "
         "retry hint"
     ))
