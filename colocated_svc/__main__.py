@@ -62,6 +62,7 @@ def http_server(
         api_key=api_token,
         tracer=lambda: servicer.tracing.tracer,  # run_pod hands the servicer its tracing
         config=http,
+        model_aliases=(args.model,),
     )
     return HttpServer(front.app, args.host, http.http_port, tls)
 

@@ -104,6 +104,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill-port", type=int, default=DEFAULT_PORTS.prefill, help="prefill pod gRPC port")
     up.add_argument("--decode-port", type=int, default=DEFAULT_PORTS.decode, help="decode pod gRPC port")
     up.add_argument("--otlp-endpoint", default=None, help="send traces of all three services to this OTLP/gRPC endpoint")
+    up.add_argument("--max-model-len", type=int, default=None,
+                    help="the pods' longest prompt + output (default: the model's own limit, as the KV pool allows)")
+    up.add_argument("--served-model-name", default=None, help="the name HTTP clients give the model")
     up.add_argument("--tool-call-parser", default=None, choices=[parser.value for parser in ToolCallParser],
                     help='the router\'s: the format the model writes tool calls in (chat\'s tool_choice "auto")')
     up.add_argument("--reasoning-parser", default=None, choices=[parser.value for parser in ReasoningParser],
@@ -222,7 +225,9 @@ def _run_up(args: argparse.Namespace) -> None:
     if args.otlp_endpoint:
         pod_args += ["--otlp-endpoint", args.otlp_endpoint]
         router_args += ["--otlp-endpoint", args.otlp_endpoint]
-    for flag in ("tool_call_parser", "reasoning_parser"):
+    if args.max_model_len is not None:
+        pod_args += ["--max-model-len", str(args.max_model_len)]
+    for flag in ("served_model_name", "tool_call_parser", "reasoning_parser"):
         if getattr(args, flag):
             router_args += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     print(f"starting router, prefill and decode (model {args.model}); logs in {args.log_dir}/", flush=True)

@@ -159,7 +159,7 @@ def http_front(
         servicer.Generate, model_name=served_model_name(config), codec=lambda: codec,
         registry=registry, is_ready=is_ready,
         max_model_len=lambda: servicer.max_model_len, api_key=api_token, tracer=lambda: tracing.tracer,
-        config=config.http,
+        config=config.http, model_aliases=(config.tokenizer_path,) if config.tokenizer_path else (),
     )
     return HttpServer(front.app, config.host, config.http.http_port, config.tls)
 

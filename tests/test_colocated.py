@@ -15,7 +15,7 @@ from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.serving.grpc_server import GrpcServer, ServerOptions
 from shared.serving.metrics import ServiceMetrics
-from shared.serving.pod_runtime import Pod, PodConfig, serving_cache_config, serving_scheduler_config
+from shared.serving.pod_runtime import Pod, PodConfig, serving_cache_config
 from shared.engine.request import FinishReason, SamplingParams
 
 pytestmark = pytest.mark.e2e
@@ -38,7 +38,7 @@ def word_tokenizer() -> Tokenizer:
 async def serving(tokenizer=None, **pod_options):
     pod = Pod(None, PodConfig(
         model="tiny",
-        scheduler=dataclasses.replace(serving_scheduler_config(), max_model_len=MAX_MODEL_LEN),
+        max_model_len=MAX_MODEL_LEN,
         cache=dataclasses.replace(serving_cache_config(), num_blocks=NUM_BLOCKS),
         **pod_options,
     ))

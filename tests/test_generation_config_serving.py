@@ -158,7 +158,7 @@ async def _colocated_http(model_dir, mode: str):
     pod = Pod(None, PodConfig(
         model=str(model_dir), generation_config=mode,
         cache=dataclasses.replace(PodConfig().cache, num_blocks=64),
-        scheduler=dataclasses.replace(PodConfig().scheduler, max_model_len=MAX_MODEL_LEN),
+        max_model_len=MAX_MODEL_LEN,
     ))
     pod.start()
     codec = TextCodec.from_path(str(model_dir))

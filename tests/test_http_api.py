@@ -15,10 +15,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from colocated_svc.servicer import ColocatedServicer
+from proto.pdserve.v1 import common_pb2, generate_pb2
 from shared.engine.request import MAX_LOGPROBS, MAX_N
 from shared.serving.http_api import COMPLETIONS_PATH, HttpConfig, HttpFront, HttpServer
 from shared.serving.metrics import ServiceMetrics
-from shared.serving.pod_runtime import Pod, PodConfig, serving_cache_config, serving_scheduler_config
+from shared.serving.pod_runtime import Pod, PodConfig, serving_cache_config
 from shared.serving.telemetry import Tracing, TracingConfig, setup_tracing
 from shared.serving.text import TextCodec
 from tests.otlp_receiver import OtlpReceiver, children_of
@@ -36,7 +37,7 @@ async def colocated_http(tracing: Tracing | None = None, codec: TextCodec | None
     tracing: the service's tracing, when traced; codec: the front's (default: the preset's)."""
     pod = Pod(None, PodConfig(
         model="tiny",
-        scheduler=dataclasses.replace(serving_scheduler_config(), max_model_len=MAX_MODEL_LEN),
+        max_model_len=MAX_MODEL_LEN,
         cache=dataclasses.replace(serving_cache_config(), num_blocks=NUM_BLOCKS),
     ))
     pod.start()
@@ -454,5 +455,46 @@ def test_model_retrieve_tokenize_and_detokenize():
                                            ("/tokenize", {"prompt": "x", "bogus": 1}, "'bogus'")):
                     answer = await http.post(f"{url}{path}", json=body)
                     assert answer.status_code == 400 and needle in answer.json()["error"]["message"], answer.text
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_models_wait_for_readiness_cors_and_the_models_path_as_its_name():
+    """/v1/models answers only once the model serves (clients take a listed model as ready); browsers get
+    CORS answers; the path the model was loaded from names it too, as in vLLM."""
+    ready = False
+
+    async def generate(message, context):
+        yield generate_pb2.GenerateResponse(token_ids=[1], text="x", num_prompt_tokens=1, num_output_tokens=1,
+                                            finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+    async def scenario():
+        front = HttpFront(generate, model_name="m", codec=lambda: None, registry=ServiceMetrics().registry,
+                          is_ready=lambda: ready, model_aliases=("/models/org/m",),
+                          config=HttpConfig(http_allowed_origins="https://app.example"))
+        server = HttpServer(front.app, "127.0.0.1", 0)
+        await server.start()
+        try:
+            async with httpx.AsyncClient(timeout=30) as http:
+                answer = await http.get(f"{server.url}/v1/models")
+                assert answer.status_code == 503 and "not ready" in answer.json()["error"]["message"]
+                nonlocal ready
+                ready = True
+                assert (await http.get(f"{server.url}/v1/models")).json()["data"][0]["id"] == "m"
+                for model in ("m", "/models/org/m"):
+                    answer = await http.post(f"{server.url}{COMPLETIONS_PATH}", json={"model": model, "prompt": [1]})
+                    assert answer.status_code == 200, answer.text
+                preflight = await http.options(f"{server.url}{COMPLETIONS_PATH}", headers={
+                    "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": "authorization, content-type"})
+                assert preflight.status_code == 200
+                assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+                listed = await http.get(f"{server.url}/v1/models", headers={"Origin": "https://app.example"})
+                assert listed.headers["access-control-allow-origin"] == "https://app.example"
+                other = await http.get(f"{server.url}/v1/models", headers={"Origin": "https://evil.example"})
+                assert "access-control-allow-origin" not in other.headers
+        finally:
+            await server.stop()
 
     asyncio.run(scenario())

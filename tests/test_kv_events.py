@@ -28,7 +28,7 @@ def _pod() -> Pod:
     defaults = PodConfig()
     pod = Pod(None, PodConfig(
         model="tiny",
-        scheduler=dataclasses.replace(defaults.scheduler, max_model_len=64),
+        max_model_len=64,
         cache=dataclasses.replace(defaults.cache, block_size=BLOCK_SIZE, num_blocks=17),
     ))
     pod.start()

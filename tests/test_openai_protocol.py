@@ -292,3 +292,12 @@ def test_a_retry_hint_becomes_http_retry_after_in_whole_seconds():
     assert answer.status_code == 429 and answer.headers["retry-after"] == "2"
     assert answer.headers["retry-after-ms"] == "1500"
     assert "retry-after" not in _ended_error(CallEnded(grpc.StatusCode.UNAVAILABLE, "down")).headers
+
+
+def test_vllms_extra_fields_pass_at_their_defaults_and_are_refused_by_name_otherwise():
+    oai.check_fields({"skip_special_tokens": True, "priority": 0, "documents": None, "kv_transfer_params": None,
+                      "return_tokens_as_token_ids": False, "cache_salt": None}, ())
+    for field, value in (("skip_special_tokens", False), ("priority", 5), ("truncate_prompt_tokens", 10),
+                         ("cache_salt", "tenant-a"), ("chat_template", "{{ x }}")):
+        with pytest.raises(InvalidRequest, match=f"'{field}' is not supported"):
+            oai.check_fields({field: value}, ())

@@ -46,7 +46,7 @@ def test_the_pods_defaults_are_the_serving_defaults():
     config = prefill_config(prefill_parser().parse_args([]))
     assert config == PodConfig()
     assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (128, 4096)
-    assert (config.scheduler.max_model_len, config.cache.block_size, config.cache.num_blocks) == (2048, 16, 4096)
+    assert (config.max_model_len, config.cache.block_size, config.cache.num_blocks) == (None, 16, 4096)
     assert config.cache.enable_prefix_caching and config.num_threads is None
 
 
@@ -59,7 +59,7 @@ def test_flags_land_in_the_composed_configs():
     config = decode_config(args)
     assert config.enforce_eager and not PodConfig().enforce_eager
     assert (config.cache.num_blocks, config.cache.enable_prefix_caching) == (64, False)
-    assert (config.scheduler.max_num_batched_tokens, config.scheduler.max_model_len) == (512, 300)
+    assert (config.scheduler.max_num_batched_tokens, config.max_model_len) == (512, 300)
     assert config.scheduler.max_num_seqs == 128  # untouched settings keep the serving default
     assert config.kv_load_failure_policy is KVLoadFailurePolicy.FAIL and config.num_threads == 2
     assert prefill_client_config(args).prefill_rpc_timeout_s == 1.5
@@ -188,3 +188,15 @@ def test_a_binary_handle_key_file_is_refused_naming_the_flag_and_the_file(tmp_pa
     text = tmp_path / "text.key"
     text.write_text("ab" * 16 + "\n")
     assert HandleKeyConfig(kv_handle_key_file=str(text)).load({}) == b"ab" * 16
+
+
+def test_the_model_length_is_the_models_own_unless_the_pool_or_the_flag_says_less():
+    from shared.serving.pod_runtime import resolved_max_model_len
+
+    pool = dataclasses.replace(PodConfig().cache, block_size=16, num_blocks=257)  # 256 usable blocks: 4,096 tokens
+    assert resolved_max_model_len(PodConfig(cache=pool), model_limit=2048) == 2048
+    assert resolved_max_model_len(PodConfig(cache=pool), model_limit=131072) == 4096
+    assert resolved_max_model_len(PodConfig(cache=pool, max_model_len=1000), model_limit=131072) == 1000
+    assert resolved_max_model_len(PodConfig(cache=pool, max_model_len=9000), model_limit=2048) == 2048
+    with pytest.raises(ValueError, match="max_model_len must be >= 2"):
+        PodConfig(max_model_len=1)

@@ -22,6 +22,7 @@ from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -87,6 +88,11 @@ class HttpConfig:
     reasoning_parser: ReasoningParser | None = field(default=None, metadata=setting(
         "read a reasoning model's <think>...</think> apart from its answer, as chat's reasoning (off when unset)"
     ))
+    # Browsers may call the API from pages of these origins (CORS). The API's credential is a bearer token,
+    # never a cookie, so "*" (vLLM's default) lets no page act with a user's ambient credentials.
+    http_allowed_origins: str = field(default="*", metadata=setting(
+        "comma-separated origins whose web pages may call the HTTP API (CORS; empty: none)"
+    ))
 
     def __post_init__(self) -> None:
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
@@ -97,6 +103,10 @@ class HttpConfig:
     @property
     def max_body_bytes(self) -> int:
         return self.http_max_body_mib * 2**20
+
+    @property
+    def allowed_origins(self) -> list[str]:
+        return [origin.strip() for origin in self.http_allowed_origins.split(",") if origin.strip()]
 
 
 class CallEnded(grpc.aio.AbortError):
@@ -361,13 +371,16 @@ class HttpFront:
         api_key: str | None = None,
         tracer: Callable[[], trace.Tracer] = lambda: _NO_TRACER,
         config: HttpConfig = HttpConfig(),
+        model_aliases: tuple[str, ...] = (),
     ):
         """codec: the text codec (for chat templates and logprobs' token texts) once known; api_key: the
         bearer token clients must send (None: open); tracer: the service's tracer (its tracing may be set
         up after this front), for one server span per generation request; config: the front's flags (body
-        limit, tool-call and reasoning parsers; its port and model name are the caller's)."""
+        limit, tool-call and reasoning parsers; its port and model name are the caller's); model_aliases:
+        other names requests may give the model by (the path it was loaded from, as vLLM names it)."""
         self._generate = generate
         self.model_name = model_name
+        self._model_names = {model_name, *model_aliases}
         self._codec = codec
         self._registry = registry
         self._is_ready = is_ready
@@ -387,18 +400,23 @@ class HttpFront:
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
         ], exception_handlers={HTTPException: _http_exception, Exception: _internal_error})
+        if config.allowed_origins:
+            app = CORSMiddleware(app, allow_origins=config.allowed_origins, allow_methods=["*"],
+                                 allow_headers=["*"])
         # Probes and scrapes are not traced: their spans would bury the requests'.
         self.app = HttpTracingMiddleware(app, tracer, traced_paths=(COMPLETIONS_PATH, CHAT_COMPLETIONS_PATH))
 
     # ---- plain endpoints ----------------------------------------------------------------------
     async def _models(self, request: Request) -> Response:
-        if (denied := self._check_key(request)) is not None:
+        """The model list, once the model can serve: clients take a listed model as ready (vLLM's server
+        answers nothing before it is)."""
+        if (denied := self._check_key(request) or self._check_ready()) is not None:
             return denied
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
     async def _model(self, request: Request) -> Response:
         """OpenAI's retrieve: the card of the model this server serves, else 404."""
-        if (denied := self._check_key(request)) is not None:
+        if (denied := self._check_key(request) or self._check_ready()) is not None:
             return denied
         if (unknown := self._unknown_model({"model": request.path_params["model"]})) is not None:
             return unknown
@@ -654,6 +672,12 @@ class HttpFront:
             return _error(401, "authentication_error", "missing or wrong API key (Authorization: Bearer ...)")
         return None
 
+    def _check_ready(self) -> Response | None:
+        if self._is_ready():
+            return None
+        return _error(503, "server_error", "the model is not ready yet (loading, or no healthy worker)",
+                      headers={"Retry-After": "1"})
+
     async def _raw_body(self, request: Request) -> bytes:
         """The body's bytes; BodyTooLarge as soon as it is known to pass the limit (nothing more is read)."""
         declared = request.headers.get("content-length", "")
@@ -669,7 +693,7 @@ class HttpFront:
 
     def _unknown_model(self, body: dict[str, Any]) -> Response | None:
         model = body.get("model")
-        if model is None or model == self.model_name:
+        if model is None or model in self._model_names:
             return None
         return _error(404, "invalid_request_error", f"the model '{model}' does not exist (this server has "
                       f"'{self.model_name}')")

@@ -189,6 +189,13 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "functions": None, "function_call": None,  # the deprecated form of tools
     "reasoning_effort": None, "modalities": ["text"], "audio": None, "prediction": None,
     "web_search_options": None, "verbosity": None,
+    # vLLM's own extra fields (its defaults ask for nothing).
+    "skip_special_tokens": True, "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
+    "priority": 0, "return_tokens_as_token_ids": False, "return_token_ids": False, "cache_salt": None,
+    "documents": None, "kv_transfer_params": None, "allowed_token_ids": None, "bad_words": None,
+    "use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None, "chat_template": None,
+    "mm_processor_kwargs": None, "logits_processors": None, "vllm_xargs": None, "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None, "structural_tag": None, "media_io_kwargs": None,
 }
 # Fields that change nothing in the output (accepted and ignored).
 INFORMATIONAL_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",

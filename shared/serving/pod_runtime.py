@@ -33,8 +33,9 @@ logger = logging.getLogger(__name__)
 
 
 def serving_scheduler_config() -> SchedulerConfig:
-    """The pods' batching limits (the engine's own defaults are sized for offline runs)."""
-    return SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=4096, max_model_len=2048)
+    """The pods' batching limits (the engine's own defaults are sized for offline runs). Its max_model_len
+    is the pod's to resolve (PodConfig.max_model_len)."""
+    return SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=4096)
 
 
 def serving_cache_config() -> CacheConfig:
@@ -76,7 +77,10 @@ class PodConfig:
     scheduler: SchedulerConfig = field(default_factory=serving_scheduler_config, metadata=engine_settings(
         max_num_seqs="most requests computed in one step",
         max_num_batched_tokens="most tokens computed in one step",
-        max_model_len="longest prompt + output (capped at the model's own limit)",
+    ))
+    max_model_len: int | None = field(default=None, metadata=setting(
+        "longest prompt + output (default: the model's own limit, max_position_embeddings, or as many tokens "
+        "as the KV pool holds when that is less; capped at the model's limit)"
     ))
     cache: CacheConfig = field(default_factory=serving_cache_config, metadata=engine_settings(
         block_size="tokens per KV block",
@@ -128,6 +132,8 @@ class PodConfig:
     def __post_init__(self) -> None:
         check_generation_config_mode(self.generation_config)
         check_generation_overrides(self.generation_overrides)
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_requests_in_flight < 1:
             raise ValueError(f"max_requests_in_flight must be >= 1, got {self.max_requests_in_flight}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -136,6 +142,19 @@ class PodConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+
+
+def resolved_max_model_len(config: "PodConfig", model_limit: int) -> int:
+    """The pod's model length: the flag's, capped at the model's own limit (max_position_embeddings); unset,
+    the model's limit, or what the KV pool holds when that is less (vLLM sizes it alike, from the pool)."""
+    if config.max_model_len is not None:
+        return min(config.max_model_len, model_limit)
+    pool_tokens = (config.cache.num_blocks - 1) * config.cache.block_size  # one block is the pool's null block
+    if pool_tokens < model_limit:
+        logger.warning("max_model_len %d: the model takes %d tokens, but %d KV blocks of %d tokens hold only "
+                       "%d (raise --num-blocks, or set --max-model-len)", pool_tokens, model_limit,
+                       config.cache.num_blocks, config.cache.block_size, pool_tokens)
+    return min(model_limit, pool_tokens)
 
 
 class Pod:
@@ -151,7 +170,7 @@ class Pod:
         logger.info("sampling defaults (--generation-config %s): %s", config.generation_config,
                     loaded.generation.describe())
         model_config = loaded.config
-        max_model_len = min(config.scheduler.max_model_len, model_config.max_position_embeddings)
+        max_model_len = resolved_max_model_len(config, model_config.max_position_embeddings)
         # A fresh id per process start: a restarted prefill pod cannot confirm an old hold.
         self.engine_id = f"{role.value if role else 'colocated'}-{uuid.uuid4().hex[:12]}"
         self.layout = KvLayout(
