@@ -12,6 +12,7 @@ from opentelemetry import context as otel_context
 
 from decode_svc.transport_probe import ProbeResult, TransportProbe, derive_transport
 from shared.engine.kv_transfer.handle import KvHandle, KvSource
+from shared.serving.grpc_server import KEEPALIVE_CHANNEL_OPTIONS
 from shared.serving.prefill_client import PrefillClient, PrefillClientConfig
 from shared.serving.tls import TlsConfig
 
@@ -22,7 +23,8 @@ logger = logging.getLogger(__name__)
 # How long a prefill engine whose KV path failed its check is recomputed for, before it is checked again
 # (a firewall fixed meanwhile costs at most this long of recomputed prompts).
 RECHECK_BROKEN_PATH_S = 30.0
-_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000),
+                    *KEEPALIVE_CHANNEL_OPTIONS]
 
 
 class KvSourceUnavailable(RuntimeError):
@@ -50,7 +52,8 @@ class KvSourceCache:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._sources: dict[str, KvSource] = {}
         self._tasks: set[asyncio.Task] = set()
-        self.on_release_result = None  # set by the composition root: (request_id, intact) -> None
+        # Set by the composition root: (request_id, intact) -> None; intact None when ReleaseKv got no answer.
+        self.on_release_result = None
         # Set when tracing is on: the trace context a request's ReleaseKv runs in (None: none known).
         # Releases start on the engine thread, outside any request's context.
         self.release_context: Callable[[str], otel_context.Context | None] | None = None
@@ -162,7 +165,7 @@ class KvSourceCache:
         task.add_done_callback(self._tasks.discard)
 
     async def _release(self, handle: KvHandle, request_id: str, prompt_digest: bytes, report: bool) -> None:
-        intact = False
+        intact: bool | None = None  # unknown until the prefill pod answers
         context = self.release_context(request_id) if self.release_context is not None else None
         token = otel_context.attach(context) if context is not None else None
         try:

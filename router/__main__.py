@@ -20,7 +20,9 @@ from router.servicer import RouterServicer
 from shared.serving.text import TextCodec
 from router.workers import WorkerPool
 from shared.serving.api_auth import BearerTokenInterceptor, log_token_requirement
-from shared.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, ServerOptions, serve_until_stopped
+from shared.serving.grpc_server import (
+    DEFAULT_MAX_MESSAGE_BYTES, KEEPALIVE_CHANNEL_OPTIONS, GrpcServer, ServerOptions, serve_until_stopped,
+)
 from shared.serving.http_api import HttpFront, HttpServer
 from shared.serving.metrics import MetricsServer, start_metrics_server
 from shared.serving.prefill_client import PrefillClient
@@ -40,6 +42,7 @@ POD_CHANNEL_OPTIONS = [
     # A restarted pod is back within seconds: reconnect at most a second after it is.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    *KEEPALIVE_CHANNEL_OPTIONS,
 ]
 
 

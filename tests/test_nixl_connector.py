@@ -306,3 +306,40 @@ def test_prompt_digest_covers_the_partial_last_block():
 def test_a_short_handle_key_is_refused():
     with pytest.raises(ValueError, match="at least"):
         HandleSigner(b"short")
+
+
+@pytest.mark.parametrize("intact, outcome", [
+    (True, KvPullOutcome.PULLED),
+    (False, KvPullOutcome.RECOMPUTED_LEASE_EXPIRED),  # the prefill pod said its hold was gone
+    (None, KvPullOutcome.RECOMPUTED_ERROR),  # it could not be asked: its hold may stand, the router ends it
+])
+def test_a_pull_is_used_only_when_prefill_confirms_its_hold(clock, intact, outcome):
+    from types import SimpleNamespace
+
+    from shared.engine.kv_transfer.transfer_agent import TransferState
+
+    consumer = _consumer(clock)
+    request = _decode_request(_handle(clock))
+    consumer.get_num_new_matched_tokens(request, 0)
+    consumer.update_state_after_alloc(request, [10, 11, 12], 40)
+    [pull] = consumer.build_connector_meta(None).requests
+    # The READ is over (DONE) and ReleaseKv was asked: only its answer decides.
+    pull.transfer = SimpleNamespace(state=TransferState.DONE, num_bytes=3072, seconds=0.01)
+    pull.is_confirming = True
+    consumer._pulls[pull.request_id] = pull
+    consumer.on_release_result("r1", intact)
+    assert consumer.get_finished(set()) == (None, {"r1"})
+    assert consumer.pop_pull_stats("r1").outcome is outcome
+
+
+def test_a_pull_waits_for_its_data_no_longer_than_its_holds_lease(clock):
+    consumer = _consumer(clock)
+    request = _decode_request(_handle(clock))  # a 5 s lease
+    consumer.get_num_new_matched_tokens(request, 0)
+    consumer.update_state_after_alloc(request, [10, 11, 12], 40)
+    [pull] = consumer.build_connector_meta(None).requests
+    consumer.start_load_kv(type(consumer.build_connector_meta(None))(requests=[pull]))
+    assert pull.timeout_s == pytest.approx(5.0)
+    clock.now += 4.9
+    consumer.start_load_kv(type(consumer.build_connector_meta(None))(requests=[pull]))
+    assert pull.timeout_s == 1.0  # a lease about to end still leaves a pull a moment

@@ -25,6 +25,19 @@ from shared.serving.tls import TlsConfig
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Channels between the services ping the other end every few seconds, idle or not: a connection that died
+# without a word (a network partition drops packets, it sends no reset) is noticed and replaced within
+# seconds of the path healing, instead of after TCP's own retry timer (minutes).
+KEEPALIVE_TIME_MS = 5_000
+KEEPALIVE_CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", 2_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # gRPC's bound on one connection attempt (20 s by default): one begun while the path was down gives
+    # up, and the next is made, within seconds of its healing.
+    ("grpc.min_reconnect_backoff_ms", 2_000),
+]
 # The health service name a liveness probe asks for: SERVING from start() until the server stops, whatever
 # the readiness says, so an orchestrator never restarts a process that merely waits for its peers or model.
 LIVENESS_SERVICE = "liveness"
@@ -60,6 +73,11 @@ class ServerOptions:
             ("grpc.max_receive_message_length", self.max_message_bytes),
             # Two servers must never share a port silently (a stale pod would steal traffic).
             ("grpc.so_reuseport", 0),
+            # Accept the services' keepalive pings (KEEPALIVE_CHANNEL_OPTIONS); a server that refused them
+            # would answer GOAWAY and make the clients ping ever less often.
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+            ("grpc.http2.max_ping_strikes", 0),
         ]
 
 

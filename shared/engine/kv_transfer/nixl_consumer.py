@@ -20,8 +20,10 @@ from shared.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
-# A pull still pending after this long is cancelled and the prompt recomputed.
+# A pull still pending after this long, or past its hold's lease (after which the bytes cannot be used), is
+# cancelled and the prompt recomputed.
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
+_MIN_TRANSFER_TIMEOUT_S = 1.0  # even a lease about to end leaves a pull this long
 
 
 @dataclass
@@ -39,6 +41,7 @@ class _Pull:
     is_aborted: bool = False  # the request ended while its READ was in flight
     is_confirming: bool = False  # READ over (or abandoned), ReleaseKv asked
     error: str | None = None
+    timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
 
 
 @dataclass
@@ -56,7 +59,7 @@ class NixlConsumer(NixlConnector):
         self.transfer_timeout_s = transfer_timeout_s
         self._to_post: list[_Pull] = []
         self._pulls: dict[str, _Pull] = {}  # posted, not yet confirmed
-        self._confirmations: dict[str, bool] = {}  # request id -> intact, from ReleaseKv
+        self._confirmations: dict[str, bool | None] = {}  # request id -> intact, from ReleaseKv (None: no answer)
         self._landed: set[str] = set()
         self._ended: set[str] = set()  # aborted mid-pull, now safe to free
         self._bad_block_ids: set[int] = set()
@@ -152,6 +155,8 @@ class NixlConsumer(NixlConnector):
 
     def _post(self, pull: _Pull) -> None:
         self._pulls[pull.request_id] = pull
+        lease_left_s = pull.handle.lease_deadline_unix_ms / 1000 - self._clock()
+        pull.timeout_s = max(_MIN_TRANSFER_TIMEOUT_S, min(self.transfer_timeout_s, lease_left_s))
         try:
             if not self.agent.has_peer(pull.source.agent_name):
                 self.agent.add_peer(pull.source)
@@ -182,15 +187,20 @@ class NixlConsumer(NixlConnector):
             if pull.error is None:
                 state = self.agent.poll(pull.transfer)  # a READ may have completed when posted
                 if state is TransferState.PENDING:
-                    if now - pull.transfer.started_at <= self.transfer_timeout_s:
+                    if now - pull.transfer.started_at <= pull.timeout_s:
                         continue
                     if not self.agent.release(pull.transfer):
                         continue  # NIXL cannot cancel it yet: the blocks may still be written
-                    pull.error = f"pull timed out after {self.transfer_timeout_s} s"
+                    pull.error = (f"no data within {pull.timeout_s:.1f} s (the hold's lease, at most "
+                                  f"{self.transfer_timeout_s:.0f} s)")
                 else:
                     self.agent.release(pull.transfer)
                     if state is TransferState.ERROR:
                         pull.error = pull.transfer.error or "transfer failed"
+                if pull.error is not None:
+                    # Loud, not only a recompute: a transport that stops delivering shows in the log.
+                    logger.warning("the KV pull of %s from %s (NIXL agent %s) failed: %s; recomputing the prompt",
+                                   pull.request_id, pull.handle.source_address, pull.source.agent_name, pull.error)
             pull.is_confirming = True
             self._release_remote(pull.handle, pull.request_id, pull.prompt_digest)
             if pull.is_aborted:
@@ -202,8 +212,9 @@ class NixlConsumer(NixlConnector):
         del self._pulls[pull.request_id]
         self._ended.add(pull.request_id)
 
-    def on_release_result(self, request_id: str, intact: bool) -> None:
-        """ReleaseKv's answer for a pull (any thread); intact=False also when the call failed."""
+    def on_release_result(self, request_id: str, intact: bool | None) -> None:
+        """ReleaseKv's answer for a pull (any thread); intact None when the call got no answer (the hold
+        may still stand: the outcome says error, so the router ends it)."""
         with self._lock:
             self._confirmations[request_id] = intact
         self.wake()
@@ -216,15 +227,16 @@ class NixlConsumer(NixlConnector):
             if pull is not None:
                 self._finish_pull(pull, intact)
 
-    def _finish_pull(self, pull: _Pull, intact: bool) -> None:
+    def _finish_pull(self, pull: _Pull, intact: bool | None) -> None:
         transfer = pull.transfer
         arrived = pull.error is None and transfer is not None and transfer.state is TransferState.DONE
-        good = intact and arrived
+        good = intact is True and arrived
         if good:
             outcome = KvPullOutcome.PULLED
-        elif arrived:
+        elif arrived and intact is False:
             outcome = KvPullOutcome.RECOMPUTED_LEASE_EXPIRED  # bytes arrived but the hold was gone
         else:
+            # The transfer failed, or the prefill pod could not be asked whether its hold stood.
             outcome = KvPullOutcome.RECOMPUTED_ERROR
         if not good:
             # Never decode on KV not known good: the scheduler recomputes (or fails) from these blocks.
@@ -244,7 +256,7 @@ class NixlConsumer(NixlConnector):
 
     def _release_remote(self, handle: KvHandle, request_id: str, prompt_digest: bytes) -> None:
         if self.release_remote is None:
-            self.on_release_result(request_id, False)
+            self.on_release_result(request_id, None)  # nothing can ask the prefill pod
         else:
             self.release_remote(handle, request_id, prompt_digest)
 
