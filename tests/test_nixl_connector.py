@@ -111,8 +111,8 @@ def _decode_request(handle) -> Request:
                    kv_transfer_params=PullFromPeer(handle, SOURCE, handle.prompt_digest))
 
 
-def _handle(clock: Clock):
-    producer = _producer(clock, lease_s=5.0)
+def _handle(clock: Clock, lease_s: float = 5.0):
+    producer = _producer(clock, lease_s=lease_s)
     _, handle = producer.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [1, 2, 3])
     return handle
 
@@ -332,14 +332,21 @@ def test_a_pull_is_used_only_when_prefill_confirms_its_hold(clock, intact, outco
     assert consumer.pop_pull_stats("r1").outcome is outcome
 
 
-def test_a_pull_waits_for_its_data_no_longer_than_its_holds_lease(clock):
+def test_a_pull_is_stuck_after_its_bytes_time_and_never_waits_past_its_holds_lease(clock):
     consumer = _consumer(clock)
-    request = _decode_request(_handle(clock))  # a 5 s lease
+    request = _decode_request(_handle(clock, lease_s=60.0))
     consumer.get_num_new_matched_tokens(request, 0)
     consumer.update_state_after_alloc(request, [10, 11, 12], 40)
     [pull] = consumer.build_connector_meta(None).requests
-    consumer.start_load_kv(type(consumer.build_connector_meta(None))(requests=[pull]))
-    assert pull.timeout_s == pytest.approx(5.0)
+    post = lambda: consumer.start_load_kv(type(consumer.build_connector_meta(None))(requests=[pull]))  # noqa: E731
+    post()
+    assert pull.timeout_s == 5.0  # 3 small blocks: the floor
+    pull.source = dataclasses.replace(SOURCE, block_bytes=100 * 2**20, regions=(None,) * 2)  # 600 MiB in all
+    post()
+    assert pull.timeout_s == pytest.approx(12.0)  # their time at 50 MiB/s
+    clock.now += 55
+    post()
+    assert pull.timeout_s == pytest.approx(5.0)  # what is left of the lease
     clock.now += 4.9
-    consumer.start_load_kv(type(consumer.build_connector_meta(None))(requests=[pull]))
+    post()
     assert pull.timeout_s == 1.0  # a lease about to end still leaves a pull a moment

@@ -20,10 +20,12 @@ from shared.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
-# A pull still pending after this long, or past its hold's lease (after which the bytes cannot be used), is
-# cancelled and the prompt recomputed.
-DEFAULT_TRANSFER_TIMEOUT_S = 30.0
-_MIN_TRANSFER_TIMEOUT_S = 1.0  # even a lease about to end leaves a pull this long
+# How long a pull may take before it counts as stuck (cancelled, the prompt recomputed): the time its bytes
+# take at a rate far below any network P/D runs on, at least a floor, and never past its hold's lease (the
+# bytes cannot be used after it). A stalled transport then costs seconds, not half a minute.
+_SLOWEST_PULL_BYTES_PER_S = 50 * 2**20
+_MIN_PULL_TIMEOUT_S = 5.0
+_MIN_LEASE_LEFT_S = 1.0  # even a lease about to end leaves a pull this long
 
 
 @dataclass
@@ -41,7 +43,7 @@ class _Pull:
     is_aborted: bool = False  # the request ended while its READ was in flight
     is_confirming: bool = False  # READ over (or abandoned), ReleaseKv asked
     error: str | None = None
-    timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
+    timeout_s: float = _MIN_PULL_TIMEOUT_S  # set when posted (_pull_timeout_s)
 
 
 @dataclass
@@ -54,9 +56,8 @@ class PullMetadata(KVConnectorMetadata):
 class NixlConsumer(NixlConnector):
     """Pulls prompts' KV from prefill pods. on_release_result() may run on any thread."""
 
-    def __init__(self, *, transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S, **kwargs):
+    def __init__(self, **kwargs):
         super().__init__(KVRole.CONSUMER, **kwargs)
-        self.transfer_timeout_s = transfer_timeout_s
         self._to_post: list[_Pull] = []
         self._pulls: dict[str, _Pull] = {}  # posted, not yet confirmed
         self._confirmations: dict[str, bool | None] = {}  # request id -> intact, from ReleaseKv (None: no answer)
@@ -155,8 +156,7 @@ class NixlConsumer(NixlConnector):
 
     def _post(self, pull: _Pull) -> None:
         self._pulls[pull.request_id] = pull
-        lease_left_s = pull.handle.lease_deadline_unix_ms / 1000 - self._clock()
-        pull.timeout_s = max(_MIN_TRANSFER_TIMEOUT_S, min(self.transfer_timeout_s, lease_left_s))
+        pull.timeout_s = self._pull_timeout_s(pull)
         try:
             if not self.agent.has_peer(pull.source.agent_name):
                 self.agent.add_peer(pull.source)
@@ -171,6 +171,12 @@ class NixlConsumer(NixlConnector):
         except (KvTransferError, ValueError) as exc:
             logger.warning("posting the pull of %s failed: %s", pull.request_id, exc)
             pull.error = str(exc)
+
+    def _pull_timeout_s(self, pull: _Pull) -> float:
+        num_bytes = len(pull.remote_block_ids) * pull.source.block_bytes * max(1, len(pull.source.regions))
+        lease_left_s = pull.handle.lease_deadline_unix_ms / 1000 - self._clock()
+        bytes_time_s = max(_MIN_PULL_TIMEOUT_S, num_bytes / _SLOWEST_PULL_BYTES_PER_S)
+        return max(_MIN_LEASE_LEFT_S, min(lease_left_s, bytes_time_s))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._poll_pulls()
@@ -191,8 +197,7 @@ class NixlConsumer(NixlConnector):
                         continue
                     if not self.agent.release(pull.transfer):
                         continue  # NIXL cannot cancel it yet: the blocks may still be written
-                    pull.error = (f"no data within {pull.timeout_s:.1f} s (the hold's lease, at most "
-                                  f"{self.transfer_timeout_s:.0f} s)")
+                    pull.error = f"not done within {pull.timeout_s:.1f} s"
                 else:
                     self.agent.release(pull.transfer)
                     if state is TransferState.ERROR:
