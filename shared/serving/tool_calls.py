@@ -199,7 +199,7 @@ def _arguments_text(arguments: Any) -> str:
 
 # ---- the model formats "auto" reads -----------------------------------------------------------
 
-_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_OPEN = "<tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _LLAMA_PYTHON_TAG = "<|python_tag|>"
 
@@ -279,7 +279,7 @@ _CONTENT_END = {ToolCallParser.HERMES: _hermes_content_end, ToolCallParser.LLAMA
 # ---- streaming --------------------------------------------------------------------------------
 
 
-def call_id() -> str:
+def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -287,7 +287,7 @@ def tool_call_objects(calls: list[FunctionCall], streamed: bool = False) -> list
     """The calls as OpenAI writes them (streamed deltas also name their index)."""
     objects = []
     for index, call in enumerate(calls):
-        entry = {"id": call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+        entry = {"id": _call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
         objects.append({"index": index, **entry} if streamed else entry)
     return objects
 
