@@ -96,6 +96,7 @@ HERMES_CASES = [
     ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n<tool_call>{"name": "get_weather", '
      '"arguments": {"city": "Å"}}</tool_call>', None, [("get_time", {}), ("get_weather", {"city": "Å"})]),
     ('<tool_call>\n{"name": "get_time", "arguments": {}}', None, [("get_time", {})]),  # unclosed at the end
+    ('\n\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', None, [("get_time", {})]),  # no content
     ("No tools needed: 1 < 2.", "No tools needed: 1 < 2.", []),
     ('<tool_call>{"name": "get_time", "argu', '<tool_call>{"name": "get_time", "argu', []),  # not JSON: text
 ]

@@ -29,7 +29,7 @@ from starlette.routing import Route
 
 from proto.pdserve.v1 import generate_pb2
 from shared.engine.request import FinishReason, TokenLogprobs
-from shared.serving import convert, fan_out, openai_protocol as oai
+from shared.serving import convert, fan_out, openai_protocol as oai, responses_api
 from shared.serving.api_auth import bearer_matches
 from shared.serving.chat_template import ChatTemplateError
 from shared.serving.outcomes import RETRY_AFTER_KEY, InvalidRequest, invalid_on_value_error
@@ -59,6 +59,7 @@ _HTTP_OF_CODE = {
 _SERVER_ERROR = (500, "server_error")
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+RESPONSES_PATH = "/v1/responses"
 _NO_TRACER = trace.NoOpTracer()
 # Enough of a chat prompt's end to see whether its template opened the model's thinking.
 _PROMPT_TAIL_TOKENS = 16
@@ -167,6 +168,11 @@ def _ended_error(ended: CallEnded) -> JSONResponse:
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def _named_sse(event: dict[str, Any]) -> str:
+    """A Responses stream event: the SSE event name is its type."""
+    return f"event: {event['type']}\n{_sse(event)}"
 
 
 @dataclass
@@ -393,6 +399,7 @@ class HttpFront:
         app = Starlette(routes=[
             Route(COMPLETIONS_PATH, self._completions, methods=["POST"]),
             Route(CHAT_COMPLETIONS_PATH, self._chat_completions, methods=["POST"]),
+            Route(RESPONSES_PATH, self._responses, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/v1/models/{model:path}", self._model, methods=["GET"]),
             Route("/tokenize", self._tokenize, methods=["POST"]),
@@ -404,7 +411,8 @@ class HttpFront:
             app = CORSMiddleware(app, allow_origins=config.allowed_origins, allow_methods=["*"],
                                  allow_headers=["*"])
         # Probes and scrapes are not traced: their spans would bury the requests'.
-        self.app = HttpTracingMiddleware(app, tracer, traced_paths=(COMPLETIONS_PATH, CHAT_COMPLETIONS_PATH))
+        self.app = HttpTracingMiddleware(app, tracer,
+                                         traced_paths=(COMPLETIONS_PATH, CHAT_COMPLETIONS_PATH, RESPONSES_PATH))
 
     # ---- plain endpoints ----------------------------------------------------------------------
     async def _models(self, request: Request) -> Response:
@@ -490,7 +498,11 @@ class HttpFront:
     async def _chat_completions(self, request: Request) -> Response:
         return await self._serve(request, is_chat=True)
 
-    async def _serve(self, request: Request, *, is_chat: bool) -> Response:
+    async def _responses(self, request: Request) -> Response:
+        return await self._serve(request, is_chat=True, as_responses=True)
+
+    async def _serve(self, request: Request, *, is_chat: bool, as_responses: bool = False) -> Response:
+        """One generation request: completions, chat, or the Responses API (a chat request underneath)."""
         if (denied := self._check_key(request)) is not None:
             return denied
         try:
@@ -502,7 +514,8 @@ class HttpFront:
             body = await asyncio.to_thread(_parse_body, raw)
             if (unknown := self._unknown_model(body)) is not None:
                 return unknown
-            messages, parsed = await asyncio.to_thread(self._generate_requests, body, is_chat)
+            chat = responses_api.chat_body(body) if as_responses else body
+            messages, parsed = await asyncio.to_thread(self._generate_requests, chat, is_chat)
         except InvalidRequest as exc:
             return _error(400, "invalid_request_error", str(exc))
         response = _Response(is_chat, self.model_name, parsed, self._token_texts)
@@ -516,6 +529,9 @@ class HttpFront:
             return _error(*_SERVER_ERROR, "the request ended without output")
         if first is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
+        if as_responses:
+            return await self._as_response(request, responses_api.ResponseShell(body, self.model_name),
+                                           parsed.options.is_streaming, response, first, responses)
         if parsed.options.is_streaming:
             return StreamingResponse(
                 self._stream(response, parsed.options, first, responses), media_type="text/event-stream")
@@ -621,7 +637,47 @@ class HttpFront:
         except ChatTemplateError as exc:  # no template, or the template refused the messages
             raise InvalidRequest(f"chat template: {exc}") from None
 
+    async def _as_response(self, request: Request, shell: "responses_api.ResponseShell", is_streaming: bool,
+                           response: _Response, first, responses) -> Response:
+        """The chat answer as a Response object, or as Responses stream events."""
+        if is_streaming:
+            events = self._response_events(responses_api.ResponseEvents(shell), response, first, responses)
+            return StreamingResponse(events, media_type="text/event-stream")
+        if (failed := await self._collect(request, response, first, responses)) is not None:
+            return failed
+        whole = response.whole()
+        [choice] = whole["choices"]
+        return JSONResponse(shell.response("completed", responses_api.output_items(choice["message"]),
+                                           whole["usage"], choice["finish_reason"]))
+
+    async def _response_events(self, events: "responses_api.ResponseEvents", response: _Response, first,
+                               responses) -> AsyncIterator[str]:
+        """Responses stream events (SSE with their event names, as OpenAI sends them) of a chat stream."""
+        chunk, finish_reason = first, None
+        try:
+            for event in events.started():
+                yield _named_sse(event)
+            while chunk is not None:
+                payload = response.streamed(chunk)
+                for choice in payload["choices"] if payload is not None else ():
+                    finish_reason = choice.get("finish_reason") or finish_reason
+                    for event in events.chunk(choice):
+                        yield _named_sse(event)
+                chunk = await anext(responses, None)
+            for event in events.finished(finish_reason, response.usage()):
+                yield _named_sse(event)
+        except CallEnded as exc:
+            for event in events.failed(exc.details, exc.code.name.lower()):
+                yield _named_sse(event)
+        finally:
+            await responses.aclose()
+
     async def _whole(self, request: Request, response: _Response, first, responses) -> Response:
+        failed = await self._collect(request, response, first, responses)
+        return failed or JSONResponse(response.whole())
+
+    async def _collect(self, request: Request, response: _Response, first, responses) -> Response | None:
+        """Every chunk into response (None), or the answer to a call that ended otherwise."""
         async def collect():
             response.collect(first)
             async for chunk in responses:
@@ -634,9 +690,7 @@ class HttpFront:
             return _ended_error(exc)
         finally:
             await responses.aclose()
-        if collected is None:
-            return Response(status_code=499)
-        return JSONResponse(response.whole())
+        return Response(status_code=499) if collected is None else None
 
     async def _stream(self, response: _Response, options: oai.StreamOptions, first, responses) -> AsyncIterator[str]:
         """SSE events, one per chunk of any choice; a client that hangs up cancels this generator (and

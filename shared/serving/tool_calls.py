@@ -171,9 +171,10 @@ def _calls_schema(parameters: dict[str, dict[str, Any]], parallel: bool) -> dict
             for definition, value in (schema.pop(key, None) or {}).items():
                 if definitions[key].setdefault(definition, value) != value:
                     raise InvalidRequest(f"tools define '{key}/{definition}' twice, differently")
+        # No other keys: a call ends once it has both (vLLM leaves it open, so a model may ramble on).
         choices.append({"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
                                                           "parameters": schema},
-                        "required": ["name", "parameters"]})
+                        "required": ["name", "parameters"], "additionalProperties": False})
     result: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": choices}}
     if not parallel:
         result["maxItems"] = 1
@@ -213,7 +214,7 @@ def _hermes_calls(text: str) -> tuple[str | None, list[FunctionCall]]:
     calls = [_named_call(match.group(1).strip(), "arguments") for match in _HERMES_CALL.finditer(text, start)]
     if not calls or None in calls:
         return text, []
-    return text[:start] or None, calls
+    return text[:start] if text[:start].strip() else None, calls
 
 
 def _llama3_json_calls(text: str) -> tuple[str | None, list[FunctionCall]]:
@@ -255,11 +256,12 @@ _PARSERS = {ToolCallParser.HERMES: _hermes_calls, ToolCallParser.LLAMA3_JSON: _l
 
 def _hermes_content_end(text: str) -> tuple[int, bool]:
     """(How much of the text so far is surely content, whether calls begin there): content until the
-    opening tag, held back while the text ends with what could begin it."""
+    opening tag, held back while the text ends with what could begin it, and while it is only whitespace
+    (before a call, that is no content)."""
     start = text.find(_HERMES_OPEN)
-    if start != -1:
-        return start, True
-    return len(text) - tag_start_at_end(text, _HERMES_OPEN), False
+    calls_begin = start != -1
+    end = start if calls_begin else len(text) - tag_start_at_end(text, _HERMES_OPEN)
+    return (end if text[:end].strip() else 0), calls_begin
 
 
 def _llama3_json_content_end(text: str) -> tuple[int, bool]:
