@@ -77,7 +77,8 @@ def _add_logprobs(entry: dict, endpoint: str, logprobs) -> None:
         return
     if endpoint == "chat":
         for item in logprobs.content:
-            assert item.bytes == list(item.token.encode("utf-8"))
+            # A whole character's token: its text's UTF-8; part of one: its own bytes (its text is U+FFFD).
+            assert item.bytes == list(item.token.encode("utf-8")) or item.token == "\ufffd"
             entry["tokens"].append(item.token)
             entry["logprobs"].append(item.logprob)
             entry["tops"].append([(top.token, top.logprob) for top in item.top_logprobs])

@@ -77,3 +77,20 @@ def test_one_tokenizer_loader_for_files_and_model_directories(byte_tokenizer, tm
     (empty / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot load tokenizer"):
         load_tokenizer(empty, required=False)
+
+
+def test_token_bytes_rebuild_text_split_mid_character():
+    """Logprobs' bytes: a token holding part of a character has its own bytes, byte-level BPE (GPT-2,
+    Llama 3, Qwen) and SentencePiece's byte fallback (Llama 2, Mistral) alike."""
+    from tokenizers import Tokenizer, decoders, models
+
+    codec = TextCodec.from_path("tiny")
+    text = "日本語 héllo 🙂"
+    ids = codec.encode(text)
+    assert "\ufffd" in "".join(codec.token_texts(ids))  # the texts alone lose the split characters
+    assert b"".join(codec.token_bytes(ids)).decode() == text
+    sentencepiece = Tokenizer(models.BPE(vocab={"<0xE6>": 0, "\u2581hi": 1, "<unk>": 2}, merges=[], byte_fallback=True,
+                                         unk_token="<unk>"))
+    sentencepiece.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                               decoders.Fuse()])
+    assert TextCodec(sentencepiece).token_bytes([0, 1]) == [b"\xe6", b" hi"]

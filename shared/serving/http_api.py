@@ -216,7 +216,8 @@ class _Response:
     """How one endpoint dresses Generate chunks (completions: text; chat: message or delta) for the n
     choices of one request: one OpenAI choice per completion index, usage over all of them."""
 
-    def __init__(self, is_chat: bool, model: str, parsed: _Request, token_texts: oai.TokenTexts):
+    def __init__(self, is_chat: bool, model: str, parsed: _Request, token_texts: oai.TokenTexts,
+                 token_bytes: oai.TokenBytes | None = None):
         self.is_chat = is_chat
         self.ids = oai.ResponseIds.new("chatcmpl" if is_chat else "cmpl", model)
         self._wants_logprobs = parsed.wants_logprobs
@@ -225,6 +226,7 @@ class _Response:
         self._echoes = parsed.echoes
         self._opens_thinking = parsed.opens_thinking
         self._token_texts = token_texts
+        self._token_bytes = token_bytes
         self._choices: dict[int, _Choice] = {}
         self._num_prompt_tokens: dict[int, int] = {}  # by prompt (a batch of completions has several)
 
@@ -246,7 +248,7 @@ class _Response:
         if not self._wants_logprobs:
             return None
         if self.is_chat:
-            return oai.chat_logprobs(entries, self._token_texts)
+            return oai.chat_logprobs(entries, self._token_texts, self._token_bytes)
         logprobs, choice.text_offset = oai.completion_logprobs(entries, self._token_texts, choice.text_offset)
         return logprobs
 
@@ -518,7 +520,9 @@ class HttpFront:
             messages, parsed = await asyncio.to_thread(self._generate_requests, chat, is_chat)
         except InvalidRequest as exc:
             return _error(400, "invalid_request_error", str(exc))
-        response = _Response(is_chat, self.model_name, parsed, self._token_texts)
+        codec = self._codec()
+        response = _Response(is_chat, self.model_name, parsed, self._token_texts,
+                             codec.token_bytes if codec is not None else None)
         responses = self._generations(messages, parsed.n).__aiter__()
         try:
             # Bad input ends the call before its first chunk: answer it with a status, not a stream.

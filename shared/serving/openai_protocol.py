@@ -446,8 +446,9 @@ def chat_delta(index: int, delta: dict[str, Any], finish_reason: str | None,
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-# Token ids -> the text of each one alone (what logprobs name tokens by).
+# Token ids -> the text of each one alone (what logprobs name tokens by), and their own bytes.
 TokenTexts = Callable[[list[int]], list[str]]
+TokenBytes = Callable[[list[int]], list[bytes]]
 
 
 def _clamped(logprob: float) -> float:
@@ -485,14 +486,18 @@ def _token_ids_of(entry: TokenLogprobs | int) -> tuple[int, ...]:
     return (entry.token_id, *(token for token, _ in entry.top))
 
 
-def chat_logprobs(entries: Sequence[TokenLogprobs], token_texts: TokenTexts) -> dict[str, Any]:
-    """/v1/chat/completions' logprobs of these tokens: each token with its logprob and UTF-8 bytes, and
-    the most likely tokens at its position (most likely first)."""
-    texts = iter(token_texts([token for entry in entries for token in (entry.token_id, *(t for t, _ in entry.top))]))
+def chat_logprobs(entries: Sequence[TokenLogprobs], token_texts: TokenTexts,
+                  token_bytes: TokenBytes | None = None) -> dict[str, Any]:
+    """/v1/chat/completions' logprobs of these tokens: each token with its logprob and bytes (its own, from
+    token_bytes, where a token holds part of a character; else its text's UTF-8), and the most likely tokens
+    at its position (most likely first)."""
+    token_ids = [token for entry in entries for token in (entry.token_id, *(t for t, _ in entry.top))]
+    texts = token_texts(token_ids)
+    raw = iter(token_bytes(token_ids) if token_bytes is not None else [text.encode() for text in texts])
+    texts = iter(texts)
 
     def described(logprob: float) -> dict[str, Any]:
-        token = next(texts)
-        return {"token": token, "logprob": _clamped(logprob), "bytes": list(token.encode("utf-8"))}
+        return {"token": next(texts), "logprob": _clamped(logprob), "bytes": list(next(raw))}
 
     content = []
     for entry in entries:

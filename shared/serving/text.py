@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
+from tokenizers.decoders import ByteLevel, DecodeStream
 
 from shared.engine.model.preset_files import preset_tokenizer_dir
 from proto.pdserve.v1 import generate_pb2
@@ -39,6 +40,24 @@ async def generate_input(message: generate_pb2.GenerateRequest, encode: Callable
     if message.WhichOneof("prompt") == "text" and len(message.text) > LONG_TEXT_CHARS:
         return await asyncio.to_thread(parse)
     return parse()
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (tokenizers' ByteLevel): the printable character standing for each byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in kept:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_level_chars()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_SENTENCEPIECE_SPACE = "\u2581"
 
 
 def tag_start_at_end(text: str, tag: str) -> int:
@@ -78,6 +97,21 @@ class TextCodec:
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         """The text of token ids, special tokens left out unless asked (as an output's text)."""
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_ids: list[int]) -> list[bytes]:
+        """Each token's own bytes: a token holding part of a character has those bytes, where its text alone
+        is U+FFFD (what OpenAI's logprobs `bytes` are for: rebuilding text split mid-character)."""
+        return [self._bytes_of(token_id) for token_id in token_ids]
+
+    def _bytes_of(self, token_id: int) -> bytes:
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if isinstance(self._tokenizer.decoder, ByteLevel) and all(char in _BYTE_OF_CHAR for char in piece):
+            return bytes(_BYTE_OF_CHAR[char] for char in piece)
+        if (byte := _BYTE_FALLBACK.fullmatch(piece)) is not None:  # SentencePiece's byte fallback, <0xE4>
+            return bytes([int(byte.group(1), 16)])
+        return piece.replace(_SENTENCEPIECE_SPACE, " ").encode()
 
     def token_texts(self, token_ids: list[int]) -> list[str]:
         """Each token's text alone, special tokens included: how logprobs name tokens (as vLLM does)."""
