@@ -238,7 +238,7 @@ def _run_up(args: argparse.Namespace) -> None:
             metrics = f"  metrics {service.metrics_url}" if service.metrics_url else ""
             print(f"  {service.name:10s} {service.address}  (pid {service.pid}){metrics}", flush=True)
         http_url = cluster.router.http_url
-        print(f"  {'http':10s} {http_url}  (OpenAI-compatible: /completions, /chat/completions, /models)",
+        print(f"  {'http':10s} {http_url}  (OpenAI-compatible: /completions, /chat/completions, /responses, /models)",
               flush=True)
         if args.demo:
             print(f"streaming a completion of {DEMO_PROMPT!r} through {cluster.router.address}:", flush=True)
