@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any
 
-from shared.serving.openai_protocol import SAMPLING_FIELDS, UNSUPPORTED_FIELDS
+from shared.serving.openai_protocol import SAMPLING_FIELDS, UNSUPPORTED_FIELDS, boolean
 from shared.serving.outcomes import InvalidRequest
 
 # Responses fields this server does not honour, with the value that asks for nothing.
@@ -30,7 +30,8 @@ _TEXT_PART_TYPES = ("input_text", "output_text", "text")
 def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     """The chat request a Responses request asks for. InvalidRequest names what cannot be served."""
     _check_fields(body)
-    chat: dict[str, Any] = {"messages": _messages(body), "stream": bool(body.get("stream"))}
+    is_streaming = body.get("stream") is not None and boolean("stream", body["stream"])
+    chat: dict[str, Any] = {"messages": _messages(body), "stream": is_streaming}
     if chat["stream"]:
         chat["stream_options"] = {"include_usage": True}
     if body.get("max_output_tokens") is not None:
