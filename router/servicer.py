@@ -89,8 +89,11 @@ class _Hold:
     is_settled: bool = False
 
 
+# A call the worker or the connection to it dropped (the router's own caller going away cancels the router's
+# task instead, never ends a call with a status): the work is redone elsewhere.
+_DROPPED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 # Failures that mean "this worker could not take the call": try another one.
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+_RETRYABLE = (*_DROPPED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 # How a Prefill call can end here after the pod finished it: the pod's answer (and the handle of the hold
 # it made) never reached the router.
 _ANSWER_MAY_BE_LOST = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
@@ -352,7 +355,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _RETRYABLE:
                     raise RouteError(exc.code(), exc.details(), choice.address) from None
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                if exc.code() in _DROPPED:
                     self._prefill.mark_unavailable(choice.address)
                 else:
                     self._prefill.mark_overloaded(choice.address, retry_after_s(exc))
@@ -461,7 +464,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                     self._count_retry("decode")
                     last_error = exc
                     continue
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                if exc.code() not in _DROPPED:
                     raise RouteError(exc.code(), exc.details(), choice.address) from None
                 last_error = exc
                 reason = str(exc.code())

@@ -449,6 +449,8 @@ def test_model_retrieve_tokenize_and_detokenize():
                 assert chat["tokens"] == codec.encode_chat(messages)
                 text = (await http.post(f"{url}/detokenize", json={"tokens": tokens["tokens"]})).json()
                 assert text == {"prompt": PROMPT}
+                strs = (await http.post(f"{url}/tokenize", json={"prompt": PROMPT, "return_token_strs": True})).json()
+                assert strs["token_strs"] == codec.token_texts(tokens["tokens"])
                 for path, body, needle in (("/detokenize", {"tokens": [1, 99999]}, "vocabulary"),
                                            ("/detokenize", {"tokens": "abc"}, "tokens must be"),
                                            ("/tokenize", {"prompt": 5}, "'prompt'"),

@@ -112,7 +112,7 @@ def test_bad_tool_requests_are_400s_naming_the_problem():
                 (dict(tools=TOOLS), '"auto"'),
                 (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "'nope'"),
                 (dict(tool_choice="required"), "tool_choice needs tools"),
-                (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
+                (dict(tools=TOOLS, tool_choice="required", extra_body={"guided_regex": "a", "guided_json": {}}),
                  "one structured-output constraint"),
                 (dict(tools=[{"type": "function", "function": {"name": "has space"}}], tool_choice="required"),
                  "function.name"),

@@ -164,7 +164,7 @@ def test_prompts_as_openai_and_vllm_take_them():
     for body, needle in (({}, "'prompt' is required"), ({"prompt": ""}, "empty"), ({"prompt": []}, "empty"),
                          ({"prompt": ["a", ""]}, r"prompt\[1\] text is empty"), ({"prompt": [1, True]}, "token ids"),
                          ({"prompt": ["a", [1, -1]]}, r"prompt\[1\] must be"),
-                         ({"prompt": too_many, "n": 2}, "at most 128 completions")):
+                         ({"prompt": too_many, "n": 2}, "at most 1024 completions")):
         with pytest.raises(InvalidRequest, match=needle):
             oai.completion_prompts(body)
 

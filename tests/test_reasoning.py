@@ -14,6 +14,7 @@ CASES = [
     ("  <think>a < b</think>yes", False, "a < b", "yes"),
     ("Compare digits.\n</think>\n\n9.8", True, "Compare digits.\n", "\n\n9.8"),  # DeepSeek-R1: prompt opened it
     ("Still thinking when cut", True, "Still thinking when cut", ""),
+    ("<think>Again.</think>9.8", True, "Again.", "9.8"),  # the model opened it once more: left out, as vLLM
     ("<think>cut short <", False, "cut short <", ""),
     ("Plain answer, no <think> here", False, None, "Plain answer, no <think> here"),
     ("<thin", False, None, "<thin"),

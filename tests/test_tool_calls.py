@@ -36,7 +36,7 @@ def test_auto_without_a_parser_is_refused_naming_the_flag():
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"tools": []}, "non-empty list"),
+    ({"tools": {}}, "non-empty list"),
     ({"tools": [{"type": "code_interpreter"}]}, r"tools\[0\] must be"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "function.name"),
     ({"tools": [WEATHER, WEATHER]}, "two tools are named 'get_weather'"),
@@ -54,7 +54,8 @@ def test_a_named_choice_constrains_to_that_functions_arguments():
     named = request(tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert json.loads(named.constraint().json_schema) == WEATHER["function"]["parameters"]
     no_parameters = request(tool_choice={"type": "function", "function": {"name": "get_time"}})
-    assert json.loads(no_parameters.constraint().json_schema) == {"type": "object", "properties": {}}
+    assert json.loads(no_parameters.constraint().json_schema) == {"type": "object", "properties": {},
+                                                                  "additionalProperties": False}
     assert named.calls_in('{"city": "Oslo"}')[1][0].arguments == '{"city": "Oslo"}'
     assert named.finish_reason("stop", True) == "stop"  # as OpenAI answers a forced call
     assert request().constraint() is None and request(tool_choice="none").constraint() is None
@@ -175,3 +176,18 @@ def test_an_assistants_call_arguments_reach_the_template_as_an_object():
     messages[1]["tool_calls"][0]["function"]["arguments"] = "{oops"
     with pytest.raises(InvalidRequest, match=r"messages\[1\].tool_calls\[0\].function.arguments is not valid JSON"):
         template_messages(messages)
+
+
+def test_vllms_readings_empty_tools_no_parameters_and_a_forced_call_over_a_response_format():
+    from shared.serving.openai_protocol import sampling_params_from_openai
+
+    assert tool_request({"tools": []}, None) is None  # LangChain's bind_tools([])
+    no_parameters = request(tool_choice={"type": "function", "function": {"name": "get_time"}})
+    schema = json.loads(no_parameters.constraint().json_schema)
+    jsonschema.validate({}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"invented": 1}, schema)
+    required = request(tool_choice="required")
+    params = sampling_params_from_openai({"response_format": {"type": "json_object"}},
+                                         tool_constraint=required.constraint())
+    assert params.structured_output == required.constraint()

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 from llguidance import LLMatcher, LLTokenizer
+from llguidance.gbnf_to_lark import any_to_lark
 
 from shared.engine.request import StructuredOutputSpec
 
@@ -122,8 +123,17 @@ class GrammarCompiler:
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
         if spec.regex is not None:
             return LLMatcher.grammar_from_regex(spec.regex)
-        return LLMatcher.grammar_from_lark(spec.grammar)
+        return LLMatcher.grammar_from_lark(_lark_of(spec.grammar))
 
 
 def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else "unknown error"
+
+
+def _lark_of(grammar: str) -> str:
+    """A Lark grammar as it is; a GBNF one (llama.cpp's `root ::= ...`, which vLLM takes too) converted by
+    llguidance's own converter."""
+    try:
+        return any_to_lark(grammar)
+    except Exception as exc:  # noqa: BLE001 - the converter's errors are the client's grammar's
+        raise ValueError(f"the grammar is neither Lark nor GBNF: {_first_line(str(exc))}") from None

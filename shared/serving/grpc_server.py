@@ -31,7 +31,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 KEEPALIVE_TIME_MS = 5_000
 KEEPALIVE_CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_timeout_ms", 2_000),
+    # Generous: a pod starved of CPU by a burst answers late, and a missed answer drops every call on the
+    # connection. A partition still shows within seconds, long before TCP's own timers.
+    ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     # gRPC's bound on one connection attempt (20 s by default): one begun while the path was down gives

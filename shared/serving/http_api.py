@@ -342,7 +342,7 @@ class _Response:
             text = text if reasoning is None or text else None  # all thinking: no content, as vLLM
         if self._tools is None:
             return oai.chat_choice(choice.index, text, finish_reason, logprobs, reasoning=reasoning)
-        content, calls = self._tools.calls_in(text or "")
+        content, calls = self._tools.calls_in(text) if text is not None else (None, [])
         finish_reason = self._tools.finish_reason(finish_reason, bool(calls))
         return oai.chat_choice(choice.index, content, finish_reason, logprobs, tool_call_objects(calls), reasoning)
 
@@ -467,25 +467,28 @@ class HttpFront:
     def _tokenized(self, body: dict[str, Any], codec: TextCodec) -> dict[str, Any]:
         if "messages" in body:
             oai.check_fields(body, ("messages", "chat_template_kwargs", "add_generation_prompt",
-                                    "continue_final_message", "tools"))
+                                    "continue_final_message", "tools", "return_token_strs"))
             tools = tool_request({**body, "tool_choice": "none"}, None) if body.get("tools") is not None else None
             token_ids = self._chat_prompt(oai.chat_messages(body), oai.chat_template_options(body), tools)
         else:
-            oai.check_fields(body, ("prompt", "add_special_tokens"))
+            oai.check_fields(body, ("prompt", "add_special_tokens", "return_token_strs"))
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
                 raise InvalidRequest("'prompt' (a string) or 'messages' is required")
             add_special_tokens = body.get("add_special_tokens", True)
             token_ids = encode_text(codec.tokenizer, prompt,
                                     add_special_tokens=oai.boolean("add_special_tokens", add_special_tokens))
-        return {"count": len(token_ids), "max_model_len": self._max_model_len(), "tokens": token_ids}
+        answer = {"count": len(token_ids), "max_model_len": self._max_model_len(), "tokens": token_ids}
+        if body.get("return_token_strs") is not None and oai.boolean("return_token_strs", body["return_token_strs"]):
+            answer["token_strs"] = codec.token_texts(token_ids)
+        return answer
 
     def _detokenized(self, body: dict[str, Any], codec: TextCodec) -> dict[str, Any]:
         oai.check_fields(body, ("tokens",))
         token_ids = list(oai.token_ids("tokens", body.get("tokens")))
         if (vocab_size := codec.vocab_size) and any(token >= vocab_size for token in token_ids):
             raise InvalidRequest(f"tokens must be ids below the vocabulary size {vocab_size}")
-        return {"prompt": codec.decode(token_ids)}
+        return {"prompt": codec.decode(token_ids, skip_special_tokens=False)}  # as vLLM: special tokens kept
 
     async def _health(self, request: Request) -> Response:
         return Response(status_code=200 if self._is_ready() else 503)

@@ -28,7 +28,7 @@ OPENAI_DEFAULT_TEMPERATURE = 1.0
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # A batch of prompts runs as this many completions at most (prompts x n), so one request cannot take a
 # pod's whole admission.
-MAX_COMPLETIONS_PER_REQUEST = 128
+MAX_COMPLETIONS_PER_REQUEST = 1024  # a pod's default admission (--max-requests-in-flight)
 # vLLM clamps -inf log-probabilities to this, so the JSON stays valid.
 MIN_LOGPROB = -9999.0
 
@@ -195,7 +195,7 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "documents": None, "kv_transfer_params": None, "allowed_token_ids": None, "bad_words": None,
     "use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None, "chat_template": None,
     "mm_processor_kwargs": None, "logits_processors": None, "vllm_xargs": None, "guided_decoding_backend": None,
-    "guided_whitespace_pattern": None, "structural_tag": None, "media_io_kwargs": None,
+    "guided_whitespace_pattern": None, "structural_tag": None, "media_io_kwargs": None, "include_reasoning": True,
 }
 # Fields that change nothing in the output (accepted and ignored).
 INFORMATIONAL_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
@@ -232,9 +232,6 @@ def sampling_params_from_openai(
     kwargs: dict[str, Any] = {"temperature": OPENAI_DEFAULT_TEMPERATURE, "max_tokens": default_max_tokens}
     given = set()
     constraints = []
-    if tool_constraint is not None:
-        kwargs["structured_output"] = tool_constraint
-        constraints.append("tool_choice")
     for name, (param, parse) in SAMPLING_FIELDS.items():
         if body.get(name) is None:
             continue
@@ -247,6 +244,10 @@ def sampling_params_from_openai(
             constraints.append(name)
     if len(constraints) > 1:
         raise InvalidRequest(f"one structured-output constraint per request: got {' and '.join(constraints)}")
+    if tool_constraint is not None:
+        # A forced tool call is this turn's whole output: a response_format is for a text answer, which
+        # this turn has none of (OpenAI applies it to the turn that answers; vLLM lets the tools win).
+        kwargs["structured_output"] = tool_constraint
     if not is_chat:
         given.add("max_tokens")
     kwargs["unset"] = MODEL_DEFAULT_FIELDS - given

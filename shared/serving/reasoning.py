@@ -50,7 +50,8 @@ class ReasoningStream:
     def __init__(self, opens_thinking: bool):
         self._text = ""
         self._num_read = 0
-        self._state = "thinking" if opens_thinking else "start"
+        self._state = "start"
+        self._opens_thinking = opens_thinking
         self.did_think = opens_thinking
 
     def push(self, text: str) -> Split:
@@ -67,16 +68,19 @@ class ReasoningStream:
     def finish(self) -> Split:
         """Whatever waited on a tag that never completed."""
         rest = self._take(len(self._text))
-        return Split(reasoning=rest) if self._state == "thinking" else Split(content=rest)
+        is_thinking = self._state == "thinking" or (self._state == "start" and self._opens_thinking)
+        return Split(reasoning=rest) if is_thinking else Split(content=rest)
 
     def _read_start(self) -> None:
-        """Before any answer: an opening <think> (after whitespace) starts thinking; anything else is the answer."""
+        """The output's first characters: an opening <think> (after whitespace) starts thinking, and is left
+        out where the prompt opened the thinking already; anything else is the answer, or the thinking the
+        prompt opened."""
         body = self._text.lstrip()
         if body.startswith(THINK_OPEN):
             self._num_read = len(self._text) - len(body) + len(THINK_OPEN)
             self._state, self.did_think = "thinking", True
         elif body and not THINK_OPEN.startswith(body):
-            self._state = "answering"
+            self._state = "thinking" if self._opens_thinking else "answering"
 
     def _read_thinking(self) -> str:
         end = self._text.find(THINK_CLOSE, self._num_read)

@@ -24,7 +24,8 @@ from shared.serving.text import tag_start_at_end
 
 # OpenAI's rule for function names.
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+# A function declared without parameters takes none (OpenAI's reading): its arguments are {}.
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 _DEFINITION_KEYS = ("$defs", "definitions")  # where JSON schemas keep what "$ref" points at
 
 
@@ -108,6 +109,8 @@ def tool_request(body: dict[str, Any], parser: ToolCallParser | None) -> ToolReq
     """What a chat request asks of tools; None when it sends none. InvalidRequest says what is wrong."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
+    if tools == []:
+        tools = None  # as vLLM takes it (LangChain's bind_tools([]) sends it)
     if tools is None:
         if choice not in (None, "none"):
             raise InvalidRequest("tool_choice needs tools")
