@@ -519,8 +519,10 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     async def _next_message(self, call, address: str, deadline, is_first: bool):
         """The call's next message (or EOF); Stalled when the pod sends nothing for stall_timeout_s
-        while the client's deadline has longer to run. The first message waits for the KV pull, so
-        before it a pod that still passes its health probes is only slow, not frozen."""
+        while the client's deadline has longer to run, and it fails its health probes, or (after the
+        first message) has nothing waiting either. Before the first message (which waits for the KV pull),
+        and while requests wait in its queue (this one may be among them, or preempted), a pod that still
+        passes its health probes is only slow, not frozen."""
         read = asyncio.ensure_future(call.read())
         try:
             while True:
@@ -530,7 +532,9 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 done, _ = await asyncio.wait({read}, timeout=self._config.stall_timeout_s)
                 if done:
                     return read.result()
-                if not is_first or not self._decode.is_healthy(address):
+                is_frozen = not self._decode.is_healthy(address)
+                is_idle_yet_silent = not is_first and not self._decode.has_waiting(address)
+                if is_frozen or is_idle_yet_silent:
                     raise Stalled(f"no token for {self._config.stall_timeout_s} s")
         finally:
             if not read.done():

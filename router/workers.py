@@ -239,6 +239,12 @@ class WorkerPool:
         worker = self._workers.get(address)
         return worker is not None and worker.is_healthy
 
+    def has_waiting(self, address: str) -> bool:
+        """Whether the worker's last load report had requests waiting (queued or preempted): it is busy, and
+        a request of it may go without tokens for a while."""
+        worker = self._workers.get(address)
+        return worker is not None and worker.load is not None and worker.load.num_waiting > 0
+
     def mark_unavailable(self, address: str) -> None:
         """A call failed with UNAVAILABLE: stop picking it until a probe says it is back."""
         worker = self._workers.get(address)

@@ -110,6 +110,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
         self.pull_outcome = pull_outcome  # what the pull of a handle came to (default: pulled)
         self.deny_handles = deny_handles  # refuse every handle, as a pod with another handle key does
         self.load_delay_s = 0.0  # GetLoad answers this late (a busy or paused pod's probe)
+        self.num_waiting = 0  # what its load reports queued
+        self.pause = None  # (after this many tokens, seconds): send nothing for a while, then go on
 
     async def Decode(self, request, context):
         work = convert.decode_request_from_proto(request)
@@ -130,6 +132,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
             while True:
                 if self.freeze_after is not None and sent == self.freeze_after:
                     await asyncio.sleep(3600)
+                if self.pause is not None and sent == self.pause[0]:
+                    await asyncio.sleep(self.pause[1])
                 if self.fail_after is not None and sent == self.fail_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "simulated decode crash")
                 await asyncio.sleep(self.delay_s)
@@ -153,7 +157,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
 
     async def GetLoad(self, request, context):
         await asyncio.sleep(self.load_delay_s)
-        return common_pb2.GetLoadResponse(load=common_pb2.LoadReport(is_overloaded=self.overloaded), engine_id="eng-d")
+        load = common_pb2.LoadReport(is_overloaded=self.overloaded, num_waiting=self.num_waiting)
+        return common_pb2.GetLoadResponse(load=load, engine_id="eng-d")
 
 
 async def start_fake(servicer, add, name, serving=True):
@@ -803,5 +808,18 @@ def test_a_slow_probe_keeps_a_worker_in_rotation_until_several_come_in_a_row():
             await cluster.decode_servers[0].stop(0)
             await pool.poll()
             assert not pool.is_healthy(address)
+
+    run(scenario())
+
+
+def test_a_busy_decode_pod_is_waited_for_not_taken_for_frozen():
+    """A request preempted or queued on a pod with requests waiting goes without tokens for a while: the
+    router waits for it (the pod passes its probes) instead of re-issuing it elsewhere."""
+    async def scenario():
+        busy = FakeDecode(delay_s=0.01)
+        busy.num_waiting, busy.pause = 40, (2, 1.5)
+        async with Cluster([FakePrefill()], [busy, FakeDecode()], stall_timeout_s=0.5) as cluster:
+            assert tokens(await cluster.generate([3], max_tokens=6)) == expected_output([3], 6)
+        assert len(busy.calls) == 1  # never re-issued
 
     run(scenario())
