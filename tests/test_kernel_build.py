@@ -89,3 +89,30 @@ def test_a_start_after_a_killed_build_loads_the_kernel(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip()
     assert not (tmp_path / kernel_build.source_hash() / "lock").exists()
+
+
+@pytest.mark.timeout(300)
+def test_another_checkout_of_the_same_sources_finds_the_finished_build(tmp_path: Path) -> None:
+    """The build folder is keyed by the sources' hash, and the build compiles copies inside it: a process
+    started from a checkout elsewhere, with the same sources, recompiles nothing (pods of several checkouts
+    share the folder)."""
+    root = tmp_path / "kernels"
+    other = tmp_path / "other-checkout"
+    shutil.copytree(kernel_build.CSRC, other)
+
+    def build_from(sources: Path) -> None:
+        script = textwrap.dedent(f"""
+            from pathlib import Path
+            from shared.engine.model import kernel_build
+            kernel_build.CSRC = Path({str(sources)!r})
+            kernel_build.build_here(Path({str(root)!r}), timeout_s=240)
+        """)
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=280, cwd=REPO)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    build_from(kernel_build.CSRC)
+    folder = root / kernel_build.source_hash()
+    built = {path.name: path.stat().st_mtime_ns for path in folder.iterdir() if path.suffix in (".o", ".so")}
+    assert f"{kernel_build.LIBRARY_NAME}.so" in built
+    build_from(other)
+    assert {name: (folder / name).stat().st_mtime_ns for name in built} == built

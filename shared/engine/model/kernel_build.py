@@ -9,6 +9,7 @@ import hashlib
 import importlib.machinery
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -115,10 +116,22 @@ def build_here(build_root: Path, timeout_s: float = DEFAULT_BUILD_WAIT_S) -> Pat
     # Without this a first start is silent for about a minute while the compiler runs.
     logger.info("loading the paged decode kernel from %s (the first start builds it: about a minute)", folder)
     with build_lock(folder, timeout_s):
-        cpp_extension.load(name=LIBRARY_NAME, sources=[str(CSRC / name) for name in SOURCE_NAMES],
+        sources = _sources_in(folder)
+        cpp_extension.load(name=LIBRARY_NAME, sources=[str(sources / name) for name in SOURCE_NAMES],
                            extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), build_directory=str(folder),
                            is_python_module=False, verbose=False)
     return folder
+
+
+def _sources_in(folder: Path) -> Path:
+    """The sources copied into the build folder: its build file names them by path, so a build from another
+    checkout of the same sources (same hash, same folder) finds its own paths there and rebuilds nothing."""
+    sources = folder / "src"
+    sources.mkdir(parents=True, exist_ok=True)
+    for path in CSRC.iterdir():
+        if path.suffix in (".cpp", ".h") and not (sources / path.name).is_file():
+            shutil.copyfile(path, sources / path.name)
+    return sources
 
 
 def load_library() -> str:
