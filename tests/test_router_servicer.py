@@ -818,8 +818,8 @@ def test_a_busy_decode_pod_is_waited_for_not_taken_for_frozen():
     async def scenario():
         busy = FakeDecode(delay_s=0.01)
         busy.num_waiting, busy.pause = 40, (2, 1.5)
-        async with Cluster([FakePrefill()], [busy, FakeDecode()], stall_timeout_s=0.5) as cluster:
-            assert tokens(await cluster.generate([3], max_tokens=6)) == expected_output([3], 6)
+        async with Cluster([FakePrefill()], [busy], stall_timeout_s=0.5, decode_admit_timeout_s=1.0) as cluster:
+            assert tokens(await cluster.generate([3], max_tokens=6, timeout=30)) == expected_output([3], 6)
         assert len(busy.calls) == 1  # never re-issued
 
     run(scenario())
