@@ -12,7 +12,7 @@ from opentelemetry import context as otel_context
 
 from decode_svc.transport_probe import ProbeResult, TransportProbe, derive_transport
 from shared.engine.kv_transfer.handle import KvHandle, KvSource
-from shared.serving.grpc_server import KEEPALIVE_CHANNEL_OPTIONS
+from shared.serving.grpc_server import SERVICE_CHANNEL_OPTIONS
 from shared.serving.prefill_client import PrefillClient, PrefillClientConfig
 from shared.serving.tls import TlsConfig
 
@@ -23,8 +23,7 @@ logger = logging.getLogger(__name__)
 # How long a prefill engine whose KV path failed its check is recomputed for, before it is checked again
 # (a firewall fixed meanwhile costs at most this long of recomputed prompts).
 RECHECK_BROKEN_PATH_S = 30.0
-_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000),
-                    *KEEPALIVE_CHANNEL_OPTIONS]
+_CHANNEL_OPTIONS = SERVICE_CHANNEL_OPTIONS
 
 
 class KvSourceUnavailable(RuntimeError):

@@ -21,7 +21,7 @@ from shared.serving.text import TextCodec
 from router.workers import WorkerPool
 from shared.serving.api_auth import BearerTokenInterceptor, log_token_requirement
 from shared.serving.grpc_server import (
-    DEFAULT_MAX_MESSAGE_BYTES, KEEPALIVE_CHANNEL_OPTIONS, GrpcServer, ServerOptions, serve_until_stopped,
+    DEFAULT_MAX_MESSAGE_BYTES, SERVICE_CHANNEL_OPTIONS, GrpcServer, ServerOptions, serve_until_stopped,
 )
 from shared.serving.http_api import HttpFront, HttpServer
 from shared.serving.metrics import MetricsServer, start_metrics_server
@@ -39,10 +39,7 @@ DECODE_SERVICE = "pdserve.v1.DecodeService"
 POD_CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
-    # A restarted pod is back within seconds: reconnect at most a second after it is.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    *KEEPALIVE_CHANNEL_OPTIONS,
+    *SERVICE_CHANNEL_OPTIONS,
 ]
 
 

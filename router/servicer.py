@@ -3,12 +3,11 @@ relay tokens; retries, deadline and cancellation propagation, and KV-hold cleanu
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 import grpc
@@ -435,7 +434,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             # Prompt logprobs come with the first token (from prefill, else from this pod): once it is out, none.
             work = wire.DecodeInput(
                 request_id, prompt.token_ids, list(generated),
-                dataclasses.replace(sampling, prompt_logprobs=None) if generated else sampling,
+                replace(sampling, prompt_logprobs=None) if generated else sampling,
                 hold.handle if carries_handle else None,
             )
             try:

@@ -25,11 +25,14 @@ from shared.serving.tls import TlsConfig
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-# Channels between the services ping the other end every few seconds, idle or not: a connection that died
+# How the services' channels to each other connect. A restarted pod is back within seconds: reconnect at
+# most a second after it is. They ping the other end every few seconds, idle or not: a connection that died
 # without a word (a network partition drops packets, it sends no reset) is noticed and replaced within
 # seconds of the path healing, instead of after TCP's own retry timer (minutes).
 KEEPALIVE_TIME_MS = 5_000
-KEEPALIVE_CHANNEL_OPTIONS = [
+SERVICE_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     # Generous: a pod starved of CPU by a burst answers late, and a missed answer drops every call on the
     # connection. A partition still shows within seconds, long before TCP's own timers.
@@ -75,7 +78,7 @@ class ServerOptions:
             ("grpc.max_receive_message_length", self.max_message_bytes),
             # Two servers must never share a port silently (a stale pod would steal traffic).
             ("grpc.so_reuseport", 0),
-            # Accept the services' keepalive pings (KEEPALIVE_CHANNEL_OPTIONS); a server that refused them
+            # Accept the services' keepalive pings (SERVICE_CHANNEL_OPTIONS); a server that refused them
             # would answer GOAWAY and make the clients ping ever less often.
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),

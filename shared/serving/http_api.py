@@ -449,18 +449,14 @@ class HttpFront:
     async def _answer_tokenizer_call(self, request: Request,
                                      answer: Callable[[dict[str, Any], TextCodec], dict]) -> Response:
         """A tokenizer endpoint's answer, computed off the event loop (400 when the input is wrong)."""
-        if (denied := self._check_key(request)) is not None:
-            return denied
+        body = await self._request_body(request)
+        if isinstance(body, Response):
+            return body
         try:
-            body = await asyncio.to_thread(_parse_body, await self._raw_body(request))
-            if (unknown := self._unknown_model(body)) is not None:
-                return unknown
             codec = self._codec()
             if codec is None:
                 raise InvalidRequest("this server has no tokenizer: start it with --tokenizer")
             return JSONResponse(await asyncio.to_thread(answer, body, codec))
-        except BodyTooLarge as exc:
-            return _error(413, "invalid_request_error", str(exc))
         except InvalidRequest as exc:
             return _error(400, "invalid_request_error", str(exc))
 
@@ -508,18 +504,12 @@ class HttpFront:
 
     async def _serve(self, request: Request, *, is_chat: bool, as_responses: bool = False) -> Response:
         """One generation request: completions, chat, or the Responses API (a chat request underneath)."""
-        if (denied := self._check_key(request)) is not None:
-            return denied
+        body = await self._request_body(request)
+        if isinstance(body, Response):
+            return body
         try:
-            raw = await self._raw_body(request)
-        except BodyTooLarge as exc:
-            return _error(413, "invalid_request_error", str(exc))
-        try:
-            # Parsing, chat rendering and tokenizing a large body take long: off the event loop.
-            body = await asyncio.to_thread(_parse_body, raw)
-            if (unknown := self._unknown_model(body)) is not None:
-                return unknown
             chat = responses_api.chat_body(body) if as_responses else body
+            # Chat rendering and tokenizing a large prompt take long: off the event loop.
             messages, parsed = await asyncio.to_thread(self._generate_requests, chat, is_chat)
         except InvalidRequest as exc:
             return _error(400, "invalid_request_error", str(exc))
@@ -732,6 +722,20 @@ class HttpFront:
             logger.warning("refused %s %s: missing or wrong bearer token", request.method, request.url.path)
             return _error(401, "authentication_error", "missing or wrong API key (Authorization: Bearer ...)")
         return None
+
+    async def _request_body(self, request: Request) -> dict[str, Any] | Response:
+        """The request's JSON body, or the answer that ends it first: 401 without the key, 413 past the size
+        limit, 400 when it is not a JSON object, 404 for another model. Parsed off the event loop (a large
+        body takes long)."""
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        try:
+            body = await asyncio.to_thread(_parse_body, await self._raw_body(request))
+        except BodyTooLarge as exc:
+            return _error(413, "invalid_request_error", str(exc))
+        except InvalidRequest as exc:
+            return _error(400, "invalid_request_error", str(exc))
+        return self._unknown_model(body) or body
 
     def _check_ready(self) -> Response | None:
         if self._is_ready():

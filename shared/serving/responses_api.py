@@ -52,13 +52,11 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
 def _check_fields(body: dict[str, Any]) -> None:
     own = ("input", "instructions", "max_output_tokens", "tools", "tool_choice", "parallel_tool_calls", "text",
            "stream", *_INFORMATIONAL)
+    unsupported = {**UNSUPPORTED_FIELDS, **_UNSUPPORTED}  # with the value that asks for nothing
     for name, value in body.items():
-        if name in _UNSUPPORTED or (name in UNSUPPORTED_FIELDS and name not in own):
-            allowed = _UNSUPPORTED.get(name, UNSUPPORTED_FIELDS.get(name))
-            if value is not None and value != allowed:
-                raise InvalidRequest(f"'{name}' is not supported by this server (it stores no responses and "
-                                     "serves function tools only)" if name in _UNSUPPORTED else
-                                     f"'{name}' is not supported by this server yet")
+        if name in unsupported and name not in own:
+            if value is not None and value != unsupported[name]:
+                raise InvalidRequest(f"'{name}' is not supported by this server")
         elif name not in own and name not in _CHAT_EXTRAS:
             raise InvalidRequest(f"unknown field '{name}'")
     text = body.get("text")
