@@ -32,10 +32,11 @@ COPY decode_svc/ decode_svc/
 COPY router/ router/
 COPY colocated_svc/ colocated_svc/
 COPY pdserve/ pdserve/
-# --no-build-isolation: setup.py needs this environment's torch to build the kernel against it.
+# --no-build-isolation: setup.py needs this environment's torch to build the kernel against it. The check
+# runs from / so that Python imports the installed package (with its .so), not the source tree in /src.
 RUN pip wheel --no-build-isolation --no-deps --wheel-dir /wheels . \
     && pip install -c constraints.txt /wheels/pdserve-*.whl \
-    && python -c "from shared.engine.model.kernel_build import prebuilt_library as p; assert p(), 'no prebuilt kernel'"
+    && cd / && python -c "from shared.engine.model.kernel_build import prebuilt_library as p; assert p(), 'no prebuilt kernel'"
 
 FROM ${PYTHON_IMAGE} AS runtime
 # GPU images only: Triton compiles a small C launcher for each kernel the first time it runs, so they need a
