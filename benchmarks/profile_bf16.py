@@ -20,25 +20,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# --repo PATH profiles the engine of another checkout (the code before a change) with these timers.
+if "--repo" in sys.argv:
+    sys.path.insert(0, sys.argv[sys.argv.index("--repo") + 1])
+else:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent))
 
-from bench_throughput import NUM_REQUESTS, OUTPUT_LEN, PROMPT_LEN, run_once  # noqa: E402
+from bench_throughput import NUM_REQUESTS, OUTPUT_LEN, PROMPT_LEN, offline_engine, run_once  # noqa: E402
 from step_timers import StepTimers, format_table  # noqa: E402
 from shared.engine.llm_engine import LLMEngine  # noqa: E402
-from shared.engine.sched_config import CacheConfig, SchedulerConfig  # noqa: E402
-
-
-def offline_engine(model: str, dtype: str, threads: int) -> LLMEngine:
-    """The engine bench_throughput.py builds: every prompt in one prefill step, then 64 decode steps."""
-    blocks_per_request = -(-(PROMPT_LEN + OUTPUT_LEN) // 16)
-    return LLMEngine(
-        model,
-        SchedulerConfig(max_num_seqs=NUM_REQUESTS, max_num_batched_tokens=8192,
-                        max_model_len=PROMPT_LEN + OUTPUT_LEN + 16),
-        CacheConfig(block_size=16, num_blocks=NUM_REQUESTS * blocks_per_request + 64),
-        dtype=dtype, num_threads=threads,
-    )
 
 
 def profile_offline(model: str, dtype: str, threads: int, runs: int) -> tuple[dict[str, float], float]:
@@ -105,7 +96,7 @@ async def _drive(http_url: str, seed: int, child: subprocess.Popen) -> float:
     return sum(r.num_output_tokens for r in records) / duration
 
 
-def profile_serving(model: str, dtype: str, threads: int) -> tuple[dict[str, float], float]:
+def profile_serving(model: str, dtype: str, threads: int, repo: str | None) -> tuple[dict[str, float], float]:
     from pdserve.launcher import HOST, ServiceProcess, free_port, wait_serving
 
     port, http_port = free_port(), free_port()
@@ -113,8 +104,10 @@ def profile_serving(model: str, dtype: str, threads: int) -> tuple[dict[str, flo
     args = ["--host", HOST, "--port", str(port), "--http-port", str(http_port), "--model", model,
             "--dtype", dtype, "--num-threads", str(threads)]
     log = open(out.with_suffix(".log"), "wb")
-    process = subprocess.Popen([sys.executable, __file__, "--serve-child", str(out), "--", *args],
-                               stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
+    own = [] if repo is None else ["--repo", repo]
+    process = subprocess.Popen([sys.executable, __file__, "--serve-child", str(out), *own, "--", *args],
+                               stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                               cwd=repo or str(Path(__file__).resolve().parent.parent))
     service = ServiceProcess(name="colocated", address=f"{HOST}:{port}", process=process, log_path=out.with_suffix(".log"))
     try:
         wait_serving(service, 300.0)
@@ -131,14 +124,18 @@ def profile_serving(model: str, dtype: str, threads: int) -> tuple[dict[str, flo
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--serve-child":
-        sys.exit(serve_child(sys.argv[2], sys.argv[4:]))
+        sys.exit(serve_child(sys.argv[2], sys.argv[sys.argv.index("--") + 1:]))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="HF model directory or preset")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--modes", nargs="+", default=["offline", "serving"], choices=["offline", "serving"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", type=int, default=2, help="offline timed runs (parts averaged)")
+    parser.add_argument("--repo", default=None, help="profile the engine of this checkout instead of this one")
     args = parser.parse_args()
+    import shared
+
+    print(f"engine from {Path(shared.__file__).parent.parent}")
     print(f"torch {torch.__version__}, {args.threads} threads, {os.cpu_count()} CPUs, model {args.model}; offline: "
           f"{NUM_REQUESTS} x ({PROMPT_LEN} -> {OUTPUT_LEN}) greedy; serving: colocated, 128 requests 128/64 "
           f"(+-50%) all at once over the OpenAI API", flush=True)
@@ -148,7 +145,7 @@ def main() -> None:
             if mode == "offline":
                 parts, rate = profile_offline(args.model, dtype, args.threads, args.runs)
             else:
-                parts, rate = profile_serving(args.model, dtype, args.threads)
+                parts, rate = profile_serving(args.model, dtype, args.threads, args.repo)
             name = f"{mode} {dtype}"
             columns[name] = parts
             rates.append(f"{name}: {rate:,.0f} output tok/s")

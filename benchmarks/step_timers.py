@@ -18,8 +18,8 @@ PARTS = (
     ("attention: decode", "the decode attention (kernel or gather + SDPA)"),
     ("attention: prefill", "fresh-prompt and span attentions (SDPA)"),
     ("attention: KV write + glue", "write_kv, output buffer, row copies"),
-    ("norms", "RMSNorm.forward"),
-    ("rotary", "cos/sin lookup and apply_rope"),
+    ("norms", "RMSNorm (with the residual add where fused)"),
+    ("rotary", "cos/sin lookup and the rotation"),
     ("model: other", "embedding, SiLU*up, residual adds, row selection"),
     ("LM head", "compute_logits"),
     ("sampler", "sample() and logprobs"),
@@ -90,13 +90,14 @@ class StepTimers:
         self.wrap(attention, "_span_attention", "attention: prefill")
         self.wrap(llama.RMSNorm, "forward", "norms")
         self.wrap(llama.RotaryEmbedding, "forward", "rotary")
-        self.wrap(llama, "apply_rope", "rotary")
         self.wrap(llama.LlamaModel, "compute_logits", "LM head")
         self.wrap(runner, "sample", "sampler")
         self.wrap(runner.ModelRunner, "_output_logprobs", "sampler")
-        for name in ("rms_norm_residual", "fused_rope"):  # fused ops, where the model has them
+        # The residual add is counted with the norm where the model fuses the two (add_rms_norm); older
+        # code calls apply_rope directly, newer code through rotate.
+        for name, label in (("add_rms_norm", "norms"), ("rotate", "rotary"), ("apply_rope", "rotary")):
             if hasattr(llama, name):
-                self.wrap(llama, name, "norms" if "norm" in name else "rotary")
+                self.wrap(llama, name, label)
 
     def uninstall(self) -> None:
         for owner, name, original in reversed(self._patches):
