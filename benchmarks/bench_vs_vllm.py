@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,33 +28,38 @@ import json, random, sys, time
 sys.path.insert(0, {repo!r}); sys.path.insert(0, {repo!r} + "/benchmarks")
 model, dtype, threads, runs, engine = {model!r}, {dtype!r}, {threads}, {runs}, {engine!r}
 N, P, O = 64, 128, 64
+
+
 def prompts(vocab, seed):
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(P)] for _ in range(N)]
-if engine == "vllm":
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    llm = LLM(model=model, dtype=dtype, max_model_len=P + O + 16, max_num_seqs=N, max_num_batched_tokens=8192,
-              seed=0, enable_prefix_caching=False)
-    vocab = llm.llm_engine.model_config.get_vocab_size()
-    params = SamplingParams(max_tokens=O, ignore_eos=True, temperature=0.0)
-    def run(seed):
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(vocab, seed)], params, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outs)
-else:
-    from bench_throughput import offline_engine as make
+
+
+def runner():
+    if engine == "vllm":
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+        llm = LLM(model=model, dtype=dtype, max_model_len=P + O + 16, max_num_seqs=N, max_num_batched_tokens=8192,
+                  seed=0, enable_prefix_caching=False)
+        vocab = llm.llm_engine.model_config.get_vocab_size()
+        params = SamplingParams(max_tokens=O, ignore_eos=True, temperature=0.0)
+        return lambda seed: sum(len(o.outputs[0].token_ids) for o in llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts(vocab, seed)], params, use_tqdm=False))
+    from bench_throughput import offline_engine
     from shared.engine.request import SamplingParams
-    eng = make(model, dtype, threads)
-    vocab = eng.model_config.vocab_size
+    eng = offline_engine(model, dtype, threads)
     params = SamplingParams(max_tokens=O, ignore_eos=True, temperature=0.0)
-    def run(seed):
-        return sum(len(o.token_ids) for o in eng.generate(prompts(vocab, seed), params))
-run(10_000)
-rates = []
-for r in range(runs):
-    start = time.perf_counter(); n = run(r); rates.append(n / (time.perf_counter() - start))
-    assert n == N * O, n
-print("RESULT " + json.dumps(rates), flush=True)
+    return lambda seed: sum(len(o.token_ids) for o in eng.generate(prompts(eng.model_config.vocab_size, seed), params))
+
+
+if __name__ == "__main__":  # vLLM starts its engine core by spawn, which imports this file again
+    run = runner()
+    run(10_000)
+    rates = []
+    for r in range(runs):
+        start = time.perf_counter(); n = run(r); rates.append(n / (time.perf_counter() - start))
+        assert n == N * O, n
+    print("RESULT " + json.dumps(rates), flush=True)
 """
 
 
@@ -67,7 +73,9 @@ def offline(engine: str, python: str, args: argparse.Namespace) -> list[float]:
     code = OFFLINE_CHILD.format(repo=str(REPO), model=args.model, dtype=args.dtype, threads=args.threads,
                                 runs=args.runs, engine=engine)
     env = vllm_env(args.threads) if engine == "vllm" else dict(os.environ)
-    done = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env, cwd="/tmp")
+    script = Path(tempfile.mkdtemp(prefix="bench_vs_vllm_")) / f"offline_{engine}.py"
+    script.write_text(code)
+    done = subprocess.run([python, str(script)], capture_output=True, text=True, env=env, cwd=str(script.parent))
     lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{engine} offline failed ({done.returncode}):\n{done.stderr[-3000:]}")
