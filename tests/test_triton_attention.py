@@ -10,6 +10,10 @@ import torch
 
 pytest.importorskip("triton")
 
+# The slow lane: without a GPU every kernel runs in Triton's interpreter, a Python loop over its program
+# instances (the whole-engine runs take seconds each); this file was half of the fast lane's time.
+pytestmark = pytest.mark.e2e
+
 from shared.engine.model import triton_attention  # noqa: E402
 from shared.engine.model.attention import AttentionMetadata, SequenceSpan, paged_attention  # noqa: E402
 
@@ -208,7 +212,6 @@ def test_head_dim_128_as_in_the_presets():
                 head_dim=128)
 
 
-@pytest.mark.e2e  # whole engine runs in Triton's interpreter: a third of the fast lane's time, so the slow lane
 @pytest.mark.parametrize("model_type,window,graphs", [("llama", None, False), ("mistral", 12, True)])
 def test_engine_on_the_triton_path_matches_the_cpu_path(model_type, window, graphs, monkeypatch):
     """Whole requests through LLMEngine with the runner switched to the Triton path (interpreted here):
