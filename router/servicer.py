@@ -126,6 +126,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         pod_request_id = f"{request_id}.{uuid.uuid4().hex[:8]}" if request.request_id else request_id
         start = time.monotonic()
         outcome = ERROR
+        num_output_tokens = 0
         try:
             prompt_ids, sampling = await self._validate(request)
             # The server span (from the tracing interceptor, when on) is current here.
@@ -134,6 +135,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             span.set_attribute("pdserve.num_prompt_tokens", len(prompt_ids))
             if "max_tokens" not in sampling.unset:  # else the pods fill it from the checkpoint
                 span.set_attribute("pdserve.max_tokens", sampling.max_tokens)
+            if self._metrics is not None:
+                self._metrics.prompt_tokens.observe(len(prompt_ids) * sampling.n)
             remaining = context.time_remaining()
             deadline = _Deadline(self._config.request_timeout_s if remaining is None else remaining)
             if sampling.n == 1:
@@ -145,6 +148,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 ), sampling.n)
             async with aclosing(completions):
                 async for chunk in completions:
+                    num_output_tokens += len(chunk.token_ids)
                     yield chunk
             outcome = OK
         except RouteError as exc:
@@ -158,6 +162,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         finally:
             if self._metrics is not None:
                 self._metrics.requests.labels(outcome=outcome).inc()
+                self._metrics.output_tokens.observe(num_output_tokens)
 
     async def _validate(self, request) -> tuple[list[int], SamplingParams]:
         encode = self._codec.encode if self._codec is not None else None
