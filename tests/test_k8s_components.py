@@ -100,30 +100,6 @@ def test_tls_component_gives_every_pod_its_files_flags_and_tls_probes(tls_docs, 
 
 
 # ---- components/planner: the planner as KEDA's external scaler ---------------------------------
-# The ScaledObject fields the component uses, typed and required as in KEDA's CRD (keda.sh_scaledobjects,
-# openAPIV3Schema); closed (additionalProperties false), so a misspelt field fails here.
-SCALED_OBJECT_SCHEMA = {
-    "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"], "additionalProperties": False,
-    "properties": {
-        "apiVersion": {"const": "keda.sh/v1alpha1"}, "kind": {"const": "ScaledObject"},
-        "metadata": {"type": "object", "required": ["name"]},
-        "spec": {
-            "type": "object", "required": ["scaleTargetRef", "triggers"], "additionalProperties": False,
-            "properties": {
-                "scaleTargetRef": {"type": "object", "required": ["name"], "additionalProperties": False,
-                                   "properties": {"name": {"type": "string"}, "kind": {"type": "string"},
-                                                  "apiVersion": {"type": "string"}}},
-                **{name: {"type": "integer", "minimum": 0, "maximum": 2**31 - 1} for name in (
-                    "minReplicaCount", "maxReplicaCount", "pollingInterval", "cooldownPeriod")},
-                "triggers": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "required": ["type", "metadata"], "additionalProperties": False,
-                    "properties": {"type": {"enum": ["external", "external-push"]}, "name": {"type": "string"},
-                                   "metadata": {"type": "object", "additionalProperties": {"type": "string"},
-                                                "required": ["scalerAddress", "tier"]}}}},
-            },
-        },
-    },
-}
 
 
 @pytest.fixture(scope="module", params=("dev", "gpu", "jaeger"))
@@ -140,16 +116,21 @@ def planner_docs(request, tmp_path_factory):
 
 
 def test_planner_component_documents_validate(planner_docs):
+    """Built-in kinds against Kubernetes' schema, the ScaledObjects against KEDA's CRD (tests/crd_schemas),
+    both strictly."""
     import jsonschema
 
+    from test_k8s_custom_resources import _validators
+
+    scaled_object = _validators()[("keda.sh/v1alpha1", "ScaledObject")]
     for doc in planner_docs:
         if doc["kind"] == "ScaledObject":
-            jsonschema.validate(doc, SCALED_OBJECT_SCHEMA)
+            scaled_object.validate(doc)
         else:
             kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
     broken = next(d for d in planner_docs if d["kind"] == "ScaledObject")
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({**broken, "spec": {**broken["spec"], "minReplicaCont": 1}}, SCALED_OBJECT_SCHEMA)
+        scaled_object.validate({**broken, "spec": {**broken["spec"], "minReplicaCont": 1}})
 
 
 def test_each_tier_scales_on_the_planners_external_scaler(planner_docs):
@@ -191,3 +172,46 @@ def test_keda_may_call_the_planner_and_the_planner_may_read_the_pods(planner_doc
     egress = policy["spec"]["egress"][0]
     assert egress["to"][0]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "pdserve"}
     assert [p["port"] for p in egress["ports"]] == [9400]
+
+
+def _render_with(overlay: str, *components: str) -> list[dict]:
+    from test_k8s_manifests import _render
+
+    return list(_render(overlay, components))
+
+
+def _config(docs: list[dict]) -> dict[str, str]:
+    return next(d["data"] for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("pdserve-config"))
+
+
+def test_rdma_on_the_gpu_overlay_keeps_the_cuda_transports():
+    transports = set(_config(_render_with("gpu", "rdma"))["UCX_TLS"].split(","))
+    assert {"rc", "tcp", "cuda_copy", "cuda_ipc"} <= transports
+    assert {"rc", "tcp", "self", "sm"} <= set(_config(_render_with("dev", "rdma"))["UCX_TLS"].split(","))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_keda_queries_match_only_their_own_namespace(overlay):
+    docs = _render_with(overlay, "keda")
+    namespace = next(d["metadata"]["name"] for d in docs if d["kind"] == "Namespace")
+    queries = [d["spec"]["triggers"][0]["metadata"]["query"] for d in docs if d["kind"] == "ScaledObject"]
+    assert len(queries) == 2
+    for query in queries:
+        assert f'namespace="{namespace}"' in query, query
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_service_monitor_carries_the_label_kube_prometheus_stack_selects(overlay):
+    monitor = next(d for d in _render_with(overlay, "service-monitor") if d["kind"] == "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_disruption_budget_lets_a_drain_take_a_whole_tier(overlay):
+    docs = _render_with(overlay)
+    replicas = {d["metadata"]["name"]: d["spec"]["replicas"] for d in docs if d["kind"] == "Deployment"}
+    for budget in (d for d in docs if d["kind"] == "PodDisruptionBudget"):
+        count = replicas[budget["metadata"]["name"]]
+        spec = budget["spec"]
+        allowed = spec["maxUnavailable"] if "maxUnavailable" in spec else count - spec["minAvailable"]
+        assert allowed < count, f"{overlay}: {budget['metadata']['name']} lets {allowed} of {count} go"
