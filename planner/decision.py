@@ -130,7 +130,8 @@ class Planner:
             changed = self.changed_at_s[tier]
             if changed is not None and now_s - changed < self.policy.cooldown_s:
                 return current, Reason.COOLDOWN
-            desired, reason = down, Reason.SCALE_DOWN
+            # At most halve at once: a capacity estimate learnt under another workload may be off.
+            desired, reason = max(down, math.ceil(current / 2)), Reason.SCALE_DOWN
         else:
             return current, Reason.WITHIN_BAND
         clipped = _clip(desired, self.policy, tier)
