@@ -99,7 +99,8 @@ def pod_config_from_args(args: argparse.Namespace) -> PodConfig:
 
 
 async def refresh_gauges(pod: Pod, metrics: ServiceMetrics) -> None:
-    num_lease_expiries = num_queried = num_hit = 0
+    num_lease_expiries = num_queried = num_hit = num_steps = num_tokens = 0
+    busy_s = 0.0
     while True:
         if pod.connector is not None:
             # The connector counts on the engine thread; the counter catches up here.
@@ -111,6 +112,10 @@ async def refresh_gauges(pod: Pod, metrics: ServiceMetrics) -> None:
         metrics.prefix_cache_queried_tokens.inc(queried - num_queried)
         metrics.prefix_cache_hit_tokens.inc(hit - num_hit)
         num_queried, num_hit = queried, hit
+        metrics.engine_steps.inc(counters.num_compute_steps - num_steps)
+        metrics.engine_tokens.inc(counters.num_scheduled_tokens - num_tokens)
+        metrics.engine_busy_seconds.inc(counters.busy_s - busy_s)
+        num_steps, num_tokens, busy_s = counters.num_compute_steps, counters.num_scheduled_tokens, counters.busy_s
         load = pod.load_report()
         metrics.set_queue(num_waiting=load.num_waiting, num_running=load.num_running)
         metrics.set_kv_blocks(
