@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after any checkout a caller put first
 
 from shared.engine.sched_config import CacheConfig, SchedulerConfig  # noqa: E402
 from shared.engine.llm_engine import LLMEngine  # noqa: E402

@@ -23,6 +23,9 @@ import torch
 # --repo PATH profiles the engine of another checkout (the code before a change) with these timers.
 if "--repo" in sys.argv:
     sys.path.insert(0, sys.argv[sys.argv.index("--repo") + 1])
+    # An editable install of this checkout maps its packages with a finder that precedes sys.path.
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__name__.lower()
+                        and "editable" not in getattr(f, "__name__", "").lower()]
 else:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent))
