@@ -6,17 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import time
 
 import grpc
 import httpx
 import pytest
-import uvicorn
 
 from proto.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from shared.serving.drain import SHUTDOWN_MESSAGE, DrainMiddleware
 from shared.serving.grpc_server import GrpcServer, ServerOptions
+from shared.serving.http_server import HttpServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 CHUNK_INTERVAL_S = 0.05
@@ -43,32 +42,16 @@ def _events_app(num_events: int):
     return app
 
 
-class _Uvicorn(uvicorn.Server):
-    def capture_signals(self):  # the test owns the loop
-        import contextlib
-        return contextlib.nullcontext()
-
-
 async def _serve(grace_s: float, num_tokens: int):
+    """A gRPC server and an HTTP front draining together, as the router and colocated pods run them."""
     server = GrpcServer(ServerOptions(host="127.0.0.1", port=0, grace_seconds=grace_s))
     server.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, _SlowGenerate(),
                        "pdserve.v1.GenerateService")
     await server.start()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    http = _Uvicorn(uvicorn.Config(DrainMiddleware(_events_app(num_tokens), server.drain), log_level="warning",
-                                   lifespan="off"))
-    task = asyncio.ensure_future(http.serve(sockets=[sock]))
-
-    async def stop_http(seconds_left: float) -> None:
-        http.config.timeout_graceful_shutdown = seconds_left
-        http.should_exit = True
-        await task
-
-    server.drain_beside(stop_http)
-    while not http.started:
-        await asyncio.sleep(0.01)
-    return server, f"http://127.0.0.1:{sock.getsockname()[1]}"
+    http = HttpServer(_events_app(num_tokens), "127.0.0.1", 0)
+    server.drain_beside(http.stop)
+    await http.start(server.drain)
+    return server, http.url
 
 
 async def _grpc_stream(address: str, num_tokens: int) -> dict:

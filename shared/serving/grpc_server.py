@@ -265,7 +265,8 @@ class GrpcServer:
         self._on_shutdown.append(callback)
 
     def drain_beside(self, stop: Callable[[float], Awaitable[None]]) -> None:
-        """Stops something that drains together with the in-flight RPCs: stop(seconds left of the grace)."""
+        """Another front (HTTP) that drains together with this one: stop(grace seconds) is started as the
+        drain begins (it stops accepting and waits for its calls in flight) and awaited with the RPCs."""
         self._drained_beside.append(stop)
 
     @property
@@ -358,6 +359,8 @@ class GrpcServer:
         await self.set_serving(False)
         self._stopped = True
         async with self.drain.draining(grace, self._shutdown_deadline):
+            # The other fronts stop accepting now and drain their calls in flight while the callbacks run.
+            beside = [asyncio.ensure_future(stop(grace)) for stop in self._drained_beside]
             for callback in self._on_shutdown:
                 try:
                     result = callback()
@@ -365,8 +368,7 @@ class GrpcServer:
                         await result
                 except Exception:  # noqa: BLE001 - shutdown must go on
                     logger.exception("shutdown callback failed")
-            left = self.shutdown_seconds_left()
-            await asyncio.gather(self._server.stop(left), *(stop(left) for stop in self._drained_beside))
+            await asyncio.gather(self._server.stop(self.shutdown_seconds_left()), *beside)
         await self._health.enter_graceful_shutdown()
         self._stop_requested.set()
 
