@@ -54,7 +54,7 @@ async def _serve(grace_s: float, num_tokens: int):
     return server, http.url
 
 
-async def _grpc_stream(address: str, num_tokens: int) -> dict:
+async def _grpc_stream(address: str, num_tokens: int, under_way: asyncio.Queue) -> dict:
     received = 0
     async with grpc.aio.insecure_channel(address) as channel:
         call = generate_pb2_grpc.GenerateServiceStub(channel).Generate(
@@ -62,27 +62,33 @@ async def _grpc_stream(address: str, num_tokens: int) -> dict:
         try:
             async for _ in call:
                 received += 1
+                if received == 1:
+                    under_way.put_nowait("grpc")
         except grpc.aio.AioRpcError as error:
             return {"received": received, "code": error.code(), "details": error.details()}
     return {"received": received, "code": grpc.StatusCode.OK}
 
 
-async def _http_stream(url: str) -> dict:
+async def _http_stream(url: str, under_way: asyncio.Queue) -> dict:
     events = []
     async with httpx.AsyncClient(timeout=30) as client:
         async with client.stream("GET", url) as answer:
             async for line in answer.aiter_lines():
                 if line.startswith("data: "):
                     events.append(line[len("data: "):])
+                    if len(events) == 1:
+                        under_way.put_nowait("http")
     return {"received": sum(1 for e in events if e.startswith('{"n"')), "last": events[-2:]}
 
 
 def _drain_scenario(grace_s: float, num_tokens: int, caplog) -> tuple[list[dict], float]:
     async def scenario():
         server, url = await _serve(grace_s, num_tokens)
-        streams = [asyncio.ensure_future(_grpc_stream(server.address, num_tokens)) for _ in range(2)]
-        streams += [asyncio.ensure_future(_http_stream(url)) for _ in range(2)]
-        await asyncio.sleep(0.5)  # every stream under way
+        under_way = asyncio.Queue()
+        streams = [asyncio.ensure_future(_grpc_stream(server.address, num_tokens, under_way)) for _ in range(2)]
+        streams += [asyncio.ensure_future(_http_stream(url, under_way)) for _ in range(2)]
+        for _ in streams:  # every stream has its first token: each call is in flight on the server
+            await asyncio.wait_for(under_way.get(), timeout=20)
         assert not any(stream.done() for stream in streams)
         started = time.monotonic()
         await server.stop()
