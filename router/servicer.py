@@ -17,7 +17,7 @@ from proto.pdserve.v1 import generate_pb2_grpc
 from router.flags import RouterConfig
 from router.kv_index import KvIndex, PromptHashes
 from router.metrics import RouterMetrics
-from router.policy import NoPick, Route, RouteDecision, RouteReason, candidates, decide_route, pick
+from router.policy import NoPick, Pick, Route, RouteDecision, RouteReason, candidates, decide_route, pick
 from router.retry import Backoff, Stalled, retry_after_s
 from shared.serving.text import TextCodec, generate_input
 from router.workers import WorkerPool
@@ -152,7 +152,9 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             if exc.where is not None:
                 logger.info("request %s ended with %s on %s: %s", request_id, exc.code.name, exc.where, exc.message)
             await context.abort(exc.code, exc.message, trailing_metadata=exc.trailing_metadata)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # A client that goes away while a chunk is being written leaves this generator to be closed
+            # (GeneratorExit at its yield), not cancelled: a cancel all the same.
             outcome = CANCELLED
             raise
         finally:
@@ -218,8 +220,10 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         self._require_decode_capacity()
         hold = None
         try:
+            decode_address = None
             if self._decide(prompt).route is Route.SPLIT:
-                result, prefill_address = await self._run_prefill(pod_request_id, prompt, sampling, deadline)
+                result, prefill_address, decode_address = await self._prefill_and_admit(
+                    pod_request_id, prompt, sampling, deadline)
                 # Decode continues with the params prefill resolved (an older pod sends none: keep the request's).
                 sampling = result.resolved_sampling or sampling
                 generated.append(result.first_token_id)
@@ -235,7 +239,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 self._record_ttft(start)
                 if first.finish_reason:
                     return  # token 1 ended it (or a stop string in it): the finally frees any hold
-            decoded_chunks = self._run_decode(pod_request_id, prompt, sampling, generated, deadline, hold)
+            decoded_chunks = self._run_decode(pod_request_id, prompt, sampling, generated, deadline, hold, decode_address)
             async with aclosing(decoded_chunks):
                 async for decoded in decoded_chunks:
                     is_first = hold is None and len(generated) == len(decoded.token_ids) and bool(decoded.token_ids)
@@ -331,6 +335,36 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         )
 
     # ---- prefill ------------------------------------------------------------------------------
+    async def _prefill_and_admit(self, request_id, prompt: PromptHashes, sampling, deadline):
+        """(prefill result, its pod, the decode pod to continue on): while the prompt computes, a fresh probe
+        confirms the decode pod the request will go to, so token 1 never goes out for a request whose decode
+        pod froze since its last periodic probe. The decode pod is None when token 1 ends the request."""
+        admission = asyncio.ensure_future(self._admitting_decode(prompt))
+        try:
+            result, prefill_address = await self._run_prefill(request_id, prompt, sampling, deadline)
+        except BaseException:
+            admission.cancel()
+            raise
+        if result.finish_reason is not None:
+            admission.cancel()
+            return result, prefill_address, None
+        try:
+            return result, prefill_address, await admission
+        except BaseException:
+            self._abandon(_Hold(prefill_address, request_id, result.handle))  # no token 1 went out
+            raise
+
+    async def _admitting_decode(self, prompt: PromptHashes) -> str:
+        """A decode pod picked as _run_decode would pick it that answers a fresh health check in time."""
+        refused: list[str] = []
+        while True:
+            choice = self._pick(self._decode, refused, prompt)
+            if choice.address is None:
+                raise self._no_pick_error(self._decode, choice.reason, None, refused)
+            if await self._decode.answers_serving(choice.address):
+                return choice.address
+            refused.append(choice.address)
+
     async def _run_prefill(self, request_id, prompt: PromptHashes, sampling, deadline):
         tried: list[str] = []
         last_error = None
@@ -405,13 +439,15 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     # ---- decode -------------------------------------------------------------------------------
     async def _run_decode(
-        self, request_id, prompt: PromptHashes, sampling, generated, deadline, hold: "_Hold | None"
+        self, request_id, prompt: PromptHashes, sampling, generated, deadline, hold: "_Hold | None",
+        admitted: str | None = None,
     ):
         """Yields DecodeChunks with tokens or a finish reason. `generated` (token 1 first, or empty without a
         prefill) grows as tokens are yielded, so a re-issue after a failure carries exactly what the
         client already has. Without a hold the decode pod computes the prompt itself (and its prompt
         logprobs, until the client has the first token). A pod that refuses (overloaded) is tried again
-        after a backoff; one that fails or freezes is not."""
+        after a backoff; one that fails or freezes is not. admitted: the decode pod confirmed before token 1
+        went out, tried first while it can still be picked."""
         # Pods that failed or froze on this request: marked unavailable, so not picked again until a
         # health probe finds them serving (a false stall, e.g. while the router itself was starved).
         failed: list[str] = []
@@ -423,7 +459,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 # A pod died right after the last token but before saying so: the request is complete.
                 yield wire.DecodeChunk(finish_reason=FinishReason.LENGTH)
                 return
-            choice = self._pick(self._decode, refused, prompt)
+            choice = self._pick_decode(refused, prompt, admitted)
+            admitted = None
             if choice.address is None:
                 if not backoff.can_wait(deadline):
                     raise self._no_pick_error(self._decode, choice.reason, last_error, failed + refused)
@@ -481,6 +518,13 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 "request %s: decode on %s failed (%s) after %d tokens, re-issuing",
                 request_id, choice.address, reason, len(generated),
             )
+
+    def _pick_decode(self, refused: list[str], prompt: PromptHashes, admitted: str | None) -> Pick:
+        if admitted is not None:
+            ready, _ = candidates(self._decode.views(), refused)
+            if any(view.address == admitted for view in ready):
+                return Pick(admitted)
+        return self._pick(self._decode, refused, prompt)
 
     async def _decode_on(self, address: str, work: wire.DecodeInput, generated: list[int], deadline, hold):
         """One Decode call: yields its chunks with tokens or a finish reason, until the finish reason."""

@@ -245,6 +245,26 @@ class WorkerPool:
         worker = self._workers.get(address)
         return worker is not None and worker.load is not None and worker.load.num_waiting > 0
 
+    async def answers_serving(self, address: str) -> bool:
+        """A fresh health check of one worker within the probe timeout. A worker that does not answer SERVING
+        in time (frozen since its last periodic probe, when a few slow probes still keep it in rotation) is
+        out of rotation until a periodic probe finds it serving again."""
+        worker = self._workers.get(address)
+        if worker is None:
+            return False
+        try:
+            health = await worker.health_stub.Check(
+                health_pb2.HealthCheckRequest(service=self.service_name), timeout=self.config.probe_timeout_s
+            )
+            if health.status == health_pb2.HealthCheckResponse.SERVING:
+                return True
+            problem = f"health says {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}"
+        except grpc.aio.AioRpcError as exc:
+            problem = f"admission probe failed: {exc.code().name}"
+        self._note_problem(worker, problem, logging.WARNING)
+        self.mark_unavailable(address)
+        return False
+
     def mark_unavailable(self, address: str) -> None:
         """A call failed with UNAVAILABLE: stop picking it until a probe says it is back."""
         worker = self._workers.get(address)
