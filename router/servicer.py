@@ -355,13 +355,13 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             raise
 
     async def _admitting_decode(self, prompt: PromptHashes) -> str:
-        """A decode pod picked as _run_decode would pick it that answers a fresh health check in time."""
+        """A decode pod, picked as _run_decode would pick it, that a fresh probe finds serving and not overloaded."""
         refused: list[str] = []
         while True:
             choice = self._pick(self._decode, refused, prompt)
             if choice.address is None:
                 raise self._no_pick_error(self._decode, choice.reason, None, refused)
-            if await self._decode.answers_serving(choice.address):
+            if await self._decode.admits(choice.address):
                 return choice.address
             refused.append(choice.address)
 

@@ -245,19 +245,22 @@ class WorkerPool:
         worker = self._workers.get(address)
         return worker is not None and worker.load is not None and worker.load.num_waiting > 0
 
-    async def answers_serving(self, address: str) -> bool:
-        """A fresh health check of one worker within the probe timeout. A worker that does not answer SERVING
-        in time (frozen since its last periodic probe, when a few slow probes still keep it in rotation) is
-        out of rotation until a periodic probe finds it serving again."""
+    async def admits(self, address: str) -> bool:
+        """A fresh probe of one worker (health, then load) within the probe timeout: whether it serves and is
+        not overloaded now. A worker that does not answer SERVING in time (frozen since its last periodic
+        probe, when a few slow probes still keep it in rotation) is out of rotation until a periodic probe
+        finds it serving again; an overloaded one counts as such until its next load report."""
         worker = self._workers.get(address)
         if worker is None:
             return False
+        timeout = self.config.probe_timeout_s
         try:
-            health = await worker.health_stub.Check(
-                health_pb2.HealthCheckRequest(service=self.service_name), timeout=self.config.probe_timeout_s
-            )
+            health = await worker.health_stub.Check(health_pb2.HealthCheckRequest(service=self.service_name),
+                                                    timeout=timeout)
             if health.status == health_pb2.HealthCheckResponse.SERVING:
-                return True
+                response = await worker.probe_stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout)
+                worker.load = convert.load_report_from_proto(response.load)
+                return not worker.load.is_overloaded
             problem = f"health says {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}"
         except grpc.aio.AioRpcError as exc:
             problem = f"admission probe failed: {exc.code().name}"

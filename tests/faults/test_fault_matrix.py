@@ -105,11 +105,15 @@ async def decode_frozen_still_in_rotation(cluster, load):
     request's decode pod is confirmed by a fresh probe before token 1 goes out, so no request gets token 1
     and then fails over (or fails) on the frozen pod."""
     retries = _router_decode_retries(cluster)
-    cluster.send("decode-0", signal.SIGSTOP)
+    # Idle pods tie on cost and load: the router picks the lowest address, so that is the one frozen, and
+    # the requests go one after another (each would pick it again while it is still in rotation).
+    frozen = min(DECODE, key=cluster.address)
+    cluster.send(frozen, signal.SIGSTOP)
     try:
-        await load.start(_short(24))
+        for shot in _short(24):
+            await load.start([shot])
     finally:
-        cluster.send("decode-0", signal.SIGCONT)
+        cluster.send(frozen, signal.SIGCONT)
     assert _router_decode_retries(cluster) == retries, "a request met the frozen decode pod after token 1"
     return True
 
