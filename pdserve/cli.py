@@ -13,8 +13,8 @@ from importlib import metadata
 from pathlib import Path
 
 from pdserve.launcher import DEFAULT_PORTS, ClusterPorts
-from shared.serving.reasoning import ReasoningParser
-from shared.serving.tool_calls import ToolCallParser
+from shared.serving.openai.reasoning import ReasoningParser
+from shared.serving.openai.tool_calls import ToolCallParser
 
 # Subcommands that hand their argv to a service's own composition root.
 SERVICE_MODULES = {

@@ -258,15 +258,23 @@ class WorkerPool:
             health = await worker.health_stub.Check(health_pb2.HealthCheckRequest(service=self.service_name),
                                                     timeout=timeout)
             if health.status == health_pb2.HealthCheckResponse.SERVING:
-                response = await worker.probe_stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout)
-                worker.load = convert.load_report_from_proto(response.load)
-                return not worker.load.is_overloaded
+                return await self._admits_by_load(worker)
             problem = f"health says {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}"
         except grpc.aio.AioRpcError as exc:
             problem = f"admission probe failed: {exc.code().name}"
         self._note_problem(worker, problem, logging.WARNING)
         self.mark_unavailable(address)
         return False
+
+    async def _admits_by_load(self, worker: _Worker) -> bool:
+        """Whether a serving worker's fresh load report says it takes a new request. A busy pod may answer
+        its load late: it is alive (it answered its health check), so only a report saying overloaded counts."""
+        try:
+            response = await worker.probe_stub.GetLoad(common_pb2.GetLoadRequest(), timeout=self.config.probe_timeout_s)
+        except grpc.aio.AioRpcError:
+            return True
+        worker.load = convert.load_report_from_proto(response.load)
+        return not worker.load.is_overloaded
 
     def mark_unavailable(self, address: str) -> None:
         """A call failed with UNAVAILABLE: stop picking it until a probe says it is back."""

@@ -97,3 +97,46 @@ def test_tls_component_gives_every_pod_its_files_flags_and_tls_probes(tls_docs, 
         assert container[probe]["timeoutSeconds"] > probe_args.timeout
         # The same health service the plain-text probe asks (readiness: the whole server; liveness: "liveness").
         assert probe_args.service == plain[probe]["grpc"].get("service", "")
+
+
+def _render_with(overlay: str, *components: str) -> list[dict]:
+    from test_k8s_manifests import _render
+
+    return list(_render(overlay, components))
+
+
+def _config(docs: list[dict]) -> dict[str, str]:
+    return next(d["data"] for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("pdserve-config"))
+
+
+def test_rdma_on_the_gpu_overlay_keeps_the_cuda_transports():
+    transports = set(_config(_render_with("gpu", "rdma"))["UCX_TLS"].split(","))
+    assert {"rc", "tcp", "cuda_copy", "cuda_ipc"} <= transports
+    assert {"rc", "tcp", "self", "sm"} <= set(_config(_render_with("dev", "rdma"))["UCX_TLS"].split(","))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_keda_queries_match_only_their_own_namespace(overlay):
+    docs = _render_with(overlay, "keda")
+    namespace = next(d["metadata"]["name"] for d in docs if d["kind"] == "Namespace")
+    queries = [d["spec"]["triggers"][0]["metadata"]["query"] for d in docs if d["kind"] == "ScaledObject"]
+    assert len(queries) == 2
+    for query in queries:
+        assert f'namespace="{namespace}"' in query, query
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_service_monitor_carries_the_label_kube_prometheus_stack_selects(overlay):
+    monitor = next(d for d in _render_with(overlay, "service-monitor") if d["kind"] == "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_disruption_budget_lets_a_drain_take_a_whole_tier(overlay):
+    docs = _render_with(overlay)
+    replicas = {d["metadata"]["name"]: d["spec"]["replicas"] for d in docs if d["kind"] == "Deployment"}
+    for budget in (d for d in docs if d["kind"] == "PodDisruptionBudget"):
+        count = replicas[budget["metadata"]["name"]]
+        spec = budget["spec"]
+        allowed = spec["maxUnavailable"] if "maxUnavailable" in spec else count - spec["minAvailable"]
+        assert allowed < count, f"{overlay}: {budget['metadata']['name']} lets {allowed} of {count} go"

@@ -19,13 +19,15 @@ from opentelemetry import context as otel_context
 from shared.serving.engine_thread import RequestTimeline
 from shared.serving.api_auth import BearerTokenInterceptor
 from shared.serving.grpc_server import GrpcServer, ServerOptions, announce, serve_until_stopped
-from shared.serving.http_api import HttpServer
+from shared.serving.http_server import HttpServer
 from shared.serving.handle_key import add_handle_key_flags
 from shared.engine.kv_transfer.connector import KVRole
 from shared.engine.kv_transfer.transfer_agent import recommended_environment
 from shared.serving.cpu_limit import default_num_threads
 from shared.serving.metrics import MetricsServer, ServiceMetrics, start_metrics_server
-from shared.serving.pod_call import PodCall
+from shared.serving.generation import CallEnded
+from shared.serving.outcomes import CallError, PodUnavailable, status_of
+from shared.serving.pod_call import PodCall, call_ended
 from shared.serving.pod_runtime import CONSUMER_SETTINGS, PRODUCER_SETTINGS, Pod, PodConfig
 from shared.serving.settings import add_flags, config_from_args
 from shared.serving.tls import TlsConfig
@@ -140,6 +142,27 @@ class PodServicer:
         """Admit a call that starts new work; use the result as `async with`."""
         await self.admit(context)
         return PodCall(self, context, tier)
+
+    def admitted_pod(self) -> Pod:
+        """The pod, for work called in process; PodUnavailable while it loads or drains for shutdown."""
+        if self.is_draining:
+            raise PodUnavailable("the pod is shutting down")
+        if self.pod is None:
+            raise PodUnavailable("the pod is still loading its model")
+        return self.pod
+
+    def start_local_call(self, tier: str | None) -> PodCall:
+        """start_call for work called in process (no gRPC call): a failure raises CallEnded with its status."""
+        try:
+            self.admitted_pod()
+        except CallError as exc:
+            raise call_ended(exc) from None
+        return PodCall(self, None, tier)
+
+    def refused(self, error: CallError) -> CallEnded:
+        """The end of in-process work that started nothing, counted by its outcome (as refuse() does)."""
+        self.metrics.record_outcome(status_of(error)[1])
+        return call_ended(error)
 
     # ---- tracing helpers (all no-ops when tracing is off) -------------------------------------
     def trace_parent(self) -> otel_context.Context | None:
