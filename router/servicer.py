@@ -556,6 +556,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                     response = await self._next_message(call, address, deadline, is_first)
                     if response is grpc.aio.EOF:
                         break
+                    self._decode.note_heard(address)
                     decoded = self._decode_chunk(address, response)
                     if is_first:
                         is_first = False

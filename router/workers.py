@@ -46,6 +46,7 @@ class _Worker:
     overloaded_until: float | None = None  # monotonic time a refusal's retry hint runs out
     probe_problem: str | None = None  # why the last probe found it unhealthy (logged when it changes)
     num_slow_probes: int = 0  # consecutive probes that timed out
+    last_heard: float = float("-inf")  # monotonic time a request call last got a message from it
 
 
 class WorkerPool:
@@ -261,10 +262,21 @@ class WorkerPool:
                 return await self._admits_by_load(worker)
             problem = f"health says {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}"
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._heard_lately(worker):
+                return True  # slow to answer, but streaming to this router: busy, not frozen
             problem = f"admission probe failed: {exc.code().name}"
         self._note_problem(worker, problem, logging.WARNING)
         self.mark_unavailable(address)
         return False
+
+    def note_heard(self, address: str) -> None:
+        """A request call just got a message from the worker: it is alive, whatever its probes say."""
+        worker = self._workers.get(address)
+        if worker is not None:
+            worker.last_heard = time.monotonic()
+
+    def _heard_lately(self, worker: _Worker) -> bool:
+        return time.monotonic() - worker.last_heard < self.config.probe_timeout_s
 
     async def _admits_by_load(self, worker: _Worker) -> bool:
         """Whether a serving worker's fresh load report says it takes a new request. A busy pod may answer

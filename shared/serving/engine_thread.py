@@ -103,7 +103,7 @@ class EngineLoop:
         self._timelines: dict[str, RequestTimeline] = {}
         self._stopping = False
         # Fed by every step that computed something; the pod predicts queueing waits from it.
-        self.wait_predictor = WaitPredictor(engine.scheduler_config.max_num_seqs)
+        self.wait_predictor = WaitPredictor()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
@@ -236,11 +236,10 @@ class EngineLoop:
 
     def _step(self) -> None:
         started_ns = time.time_ns()
-        num_running = self.engine.num_running
         outputs = self.engine.step()
         if outputs:
             num_finished = sum(1 for output in outputs if output.finished)
-            self.wait_predictor.observe_step((time.time_ns() - started_ns) / 1e9, max(num_running, 1), num_finished)
+            self.wait_predictor.observe_step((time.time_ns() - started_ns) / 1e9, num_finished)
         self._observe(started_ns, outputs)
         if outputs:
             self._loop.call_soon_threadsafe(self._deliver, outputs)
