@@ -1,5 +1,5 @@
-"""The decode pod's view of prefill engines: their NIXL sources (fetched once per engine, cached)
-and the ReleaseKv confirmations that decide whether pulled KV may be used."""
+"""The decode pod's view of prefill engines: their NIXL sources (fetched once per engine, cached), the
+ReserveKv that lets a pull READ a hold, and the ReleaseKv confirmations that decide whether pulled KV may be used."""
 from __future__ import annotations
 
 import asyncio
@@ -147,6 +147,14 @@ class KvSourceCache:
             return True
         except (grpc.aio.AioRpcError, ValueError):
             return False
+
+    async def reserve(self, handle: KvHandle, request_id: str, prompt_digest: bytes) -> bool:
+        """Whether the handle's prefill pod lets this request READ its hold (the first to ask, while the hold
+        stands); KvSourceUnavailable when the pod cannot be asked."""
+        try:
+            return await self._client(handle.source_address).reserve_kv(request_id, handle.engine_id, prompt_digest)
+        except grpc.aio.AioRpcError as exc:
+            raise KvSourceUnavailable(f"ReserveKv at {handle.source_address} failed: {exc.code().name}") from exc
 
     def release_from_engine_thread(
         self, loop: asyncio.AbstractEventLoop, handle: KvHandle, request_id: str, prompt_digest: bytes

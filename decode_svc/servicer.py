@@ -148,7 +148,9 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
     def _report_pull(self, work: wire.DecodeInput, early_stats: KvPullStats) -> KvPullStats:
         """The pull's statistics, once its first output is ready: metrics (by UCX transport) and the kv-pull span."""
         stats = self.pod.connector.pop_pull_stats(work.request_id) or early_stats
-        self.metrics.record_transfer(stats.num_bytes, stats.seconds)
+        connector = self.pod.connector
+        self.metrics.catch_up_kv_reads(connector.num_reads, connector.num_read_bytes)
+        self.metrics.kv_transfer_seconds.inc(stats.seconds)
         transport = self.sources.transport_of(work.handle) if work.handle is not None else None
         if transport is not None:
             self.metrics.kv_pulls.labels(transport, stats.outcome.value).inc()
@@ -175,15 +177,12 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
         if work.handle is not None:
             digest = self._checked_prompt_digest(work)
             unusable = self.pod.connector.pull_precheck(work.handle)
-            if unusable is None:
-                try:
-                    kv_params = PullFromPeer(work.handle, await self.sources.get(work.handle), digest)
-                except KvSourceUnavailable as exc:
-                    logger.warning("cannot pull %s: %s", work.request_id, exc)
-                    unusable = KvPullOutcome.RECOMPUTED_ERROR
             if unusable is not None:
                 # Nothing will be read: end the prefill pod's hold now, not at its lease's end.
                 self.sources.release_quietly(work.handle, work.request_id)
+            else:
+                kv_params, unusable = await self._reserved_pull(work, digest)
+            if unusable is not None:
                 stats = KvPullStats(0, 0, 0, 0.0, unusable)
                 if self.pod.config.kv_load_failure_policy is KVLoadFailurePolicy.FAIL:
                     raise KvUnusable(self._failure_message(work.request_id, stats))
@@ -197,6 +196,29 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
             num_prior_output_tokens=num_generated,
         )
         return engine_request, stats
+
+    async def _reserved_pull(self, work: wire.DecodeInput, digest: bytes) -> tuple[PullFromPeer | None, KvPullOutcome | None]:
+        """The pull of the handle once its prefill pod reserved the hold for this request (a handle is READ
+        once, and only while its hold stands: a replayed one reads nothing), else why the prompt is recomputed.
+        The reservation runs alongside the source look-up, so it adds no round trip of its own to a request."""
+        handle = work.handle
+        source, reserved = await asyncio.gather(
+            self.sources.get(handle), self.sources.reserve(handle, work.request_id, digest), return_exceptions=True
+        )
+        if reserved is False:
+            # The hold ended (released, abandoned, expired) or another pull has it: nothing of it is ours to end.
+            logger.info("request %s: prefill pod %s did not reserve the hold (gone or already pulled); recomputing",
+                        work.request_id, handle.source_address)
+            return None, KvPullOutcome.RECOMPUTED_LEASE_EXPIRED
+        for failure in (source, reserved):
+            if isinstance(failure, KvSourceUnavailable):
+                logger.warning("cannot pull %s: %s", work.request_id, failure)
+                # Nothing will be read: end the prefill pod's hold now, not at its lease's end.
+                self.sources.release_quietly(handle, work.request_id)
+                return None, KvPullOutcome.RECOMPUTED_ERROR
+            if isinstance(failure, BaseException):
+                raise failure
+        return PullFromPeer(handle, source, digest), None
 
     def _warn_unverified(self, engine_id: str, source_address: str) -> None:
         """Once per engine (bounded): every handle of a prefill pod run with another key fails, and the

@@ -149,6 +149,14 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
         await self.require_pod(context)
         return convert.kv_source_to_proto(self.pod.kv_source())
 
+    async def ReserveKv(self, request: prefill_pb2.ReserveKvRequest, context):
+        await self.require_pod(context)
+        reserved = self.pod.connector.reserve(request.request_id, request.engine_id, request.prompt_digest)
+        span = trace.get_current_span()
+        span.set_attribute(SpanAttr.REQUEST_ID, request.request_id)
+        span.set_attribute("pdserve.kv.reserved", reserved)
+        return prefill_pb2.ReserveKvResponse(reserved=reserved)
+
     async def ReleaseKv(self, request: prefill_pb2.ReleaseKvRequest, context):
         await self.require_pod(context)
         engine_id = request.engine_id or self.pod.engine_id

@@ -1,6 +1,7 @@
 """KV handles against the real split system: a stolen handle replayed with another prompt is refused and
 poisons nothing, a forged, unsigned or tampered handle is refused before any READ (the decode pod's
-transfer-bytes metric does not move), a confirmation for another prompt is not intact, and malformed
+transfer-bytes metric does not move), a genuine handle is READ once and only while its hold stands (a
+replay reads nothing, the READ counter shows it), a confirmation for another prompt is not intact, and malformed
 request bytes get INVALID_ARGUMENT on every method of every server."""
 from __future__ import annotations
 
@@ -80,14 +81,23 @@ def _generate(cluster, prompt: list[int]) -> list[int]:
         return [t for chunk in client.generate(prompt, timeout=60, **SAMPLING) for t in chunk.token_ids]
 
 
-def _transfer_bytes(cluster) -> float:
-    """What the decode pod's pulls have read so far (its Prometheus counter)."""
+def _decode_counter(cluster, name: str) -> float:
     with urllib.request.urlopen(cluster.by_name("decode-0").metrics_url, timeout=5) as answer:
         text = answer.read().decode()
     return sum(
         sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-        if sample.name == "pdserve_kv_transfer_bytes_total"
+        if sample.name == name
     )
+
+
+def _transfer_bytes(cluster) -> float:
+    """What the decode pod's pulls have read so far (its Prometheus counter)."""
+    return _decode_counter(cluster, "pdserve_kv_transfer_bytes_total")
+
+
+def _reads(cluster) -> float:
+    """The NIXL READs the decode pod has posted so far, their data used or not."""
+    return _decode_counter(cluster, "pdserve_kv_reads_total")
 
 
 def _held_blocks(cluster) -> int:
@@ -125,6 +135,48 @@ def test_stolen_handle_replayed_with_another_prompt_is_refused_and_poisons_nothi
     # Nothing entered the decode pod's prefix cache under the thief's prompt: both are correct end to end.
     assert _generate(cluster, thief) == _expected(reference, thief)
     assert _generate(cluster, victim) == _expected(reference, victim)
+    _wait_until_nothing_is_held(cluster)
+
+
+def _recomputed_tokens(messages, answer) -> list[int]:
+    assert messages[0].kv_pull.outcome == decode_pb2.KV_PULL_OUTCOME_RECOMPUTED_LEASE_EXPIRED
+    return [answer.first_token_id] + [t for m in messages for t in m.token_ids]
+
+
+def test_a_replayed_handle_reads_nothing_once_its_hold_was_abandoned(cluster, reference):
+    """What a router does for a cancelled call (ReleaseKv without a digest) ends the hold; the genuine
+    handle, replayed within its lease under a new request id or its own, makes the decode pod READ nothing
+    (its blocks may belong to another request by then): the prompt is recomputed, the tokens are right."""
+    prompt = _prompt(20)
+    answer = _prefill(cluster, "abandoned-1", prompt)
+    assert _release(cluster, "abandoned-1", answer.handle.engine_id) is False  # abandoned
+    _wait_until_nothing_is_held(cluster)
+    other = _prefill(cluster, "bystander-1", _prompt(21))  # a live hold, maybe on the freed blocks
+    reads_before, bytes_before = _reads(cluster), _transfer_bytes(cluster)
+    for replay_id in ("replayed-1", "abandoned-1"):
+        messages = _decode(cluster, replay_id, prompt, answer.first_token_id, answer.handle)
+        assert _recomputed_tokens(messages, answer) == _expected(reference, prompt)
+    time.sleep(0.6)  # a READ would show in the counters within one gauge refresh
+    assert (_reads(cluster), _transfer_bytes(cluster)) == (reads_before, bytes_before)
+    assert _release(cluster, "bystander-1", other.handle.engine_id) is False
+    _wait_until_nothing_is_held(cluster)
+
+
+def test_a_handle_is_read_once_and_a_replay_under_another_id_leaves_the_hold_to_its_request(cluster, reference):
+    prompt = _prompt(22)
+    answer = _prefill(cluster, "once-1", prompt)
+    reads_before, bytes_before = _reads(cluster), _transfer_bytes(cluster)
+    # The hold is live, but not this request's: refused before any READ, and the hold stays.
+    replayed = _decode(cluster, "thief-1", prompt, answer.first_token_id, answer.handle)
+    assert _recomputed_tokens(replayed, answer) == _expected(reference, prompt)
+    time.sleep(0.6)
+    assert (_reads(cluster), _transfer_bytes(cluster)) == (reads_before, bytes_before)
+    # Its own request pulls it: one READ, its bytes counted.
+    messages = _decode(cluster, "once-1", prompt, answer.first_token_id, answer.handle)
+    assert messages[0].kv_pull.outcome == decode_pb2.KV_PULL_OUTCOME_PULLED
+    assert [answer.first_token_id] + [t for m in messages for t in m.token_ids] == _expected(reference, prompt)
+    assert _reads(cluster) == reads_before + 1
+    assert _transfer_bytes(cluster) == bytes_before + messages[0].kv_pull.num_bytes > bytes_before
     _wait_until_nothing_is_held(cluster)
 
 

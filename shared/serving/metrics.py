@@ -52,6 +52,10 @@ class ServiceMetrics:
             "kv_transfer_bytes", "KV bytes transferred between pods.",
             namespace=NAMESPACE, registry=r,
         )
+        self.kv_reads = Counter(
+            "kv_reads", "NIXL READs posted to pull KV, their data used or discarded.",
+            namespace=NAMESPACE, registry=r,
+        )
         self.kv_transfer_seconds = Counter(
             "kv_transfer_seconds", "Wall time spent on KV transfers.",
             namespace=NAMESPACE, registry=r,
@@ -76,6 +80,7 @@ class ServiceMetrics:
             "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (not computed or pulled again).",
             namespace=NAMESPACE, registry=r,
         )
+        self._reads_seen = (0, 0)  # the connector's READ totals already counted
         self.requests = Counter(
             "requests", "Finished requests by outcome.", ["outcome"],
             namespace=NAMESPACE, registry=r,
@@ -111,6 +116,14 @@ class ServiceMetrics:
             raise ValueError(f"transfer bytes and seconds must be >= 0, got {num_bytes}, {seconds}")
         self.kv_transfer_bytes.inc(num_bytes)
         self.kv_transfer_seconds.inc(seconds)
+
+    def catch_up_kv_reads(self, num_reads: int, num_read_bytes: int) -> None:
+        """The connector's READ totals (kept on the engine thread) into kv_reads and kv_transfer_bytes: every
+        READ and its bytes, also those of a pull whose data was discarded or whose request ended mid-READ."""
+        seen_reads, seen_bytes = self._reads_seen
+        self.kv_reads.inc(num_reads - seen_reads)
+        self.kv_transfer_bytes.inc(num_read_bytes - seen_bytes)
+        self._reads_seen = (num_reads, num_read_bytes)
 
     def set_kv_blocks(self, *, num_used: int, num_free: int, num_held_for_peer: int) -> None:
         self.kv_blocks_used.set(num_used)

@@ -90,6 +90,7 @@ async def refresh_gauges(pod: Pod, metrics: ServiceMetrics) -> None:
             # The connector counts on the engine thread; the counter catches up here.
             metrics.lease_expiries.inc(pod.connector.num_lease_expiries - num_lease_expiries)
             num_lease_expiries = pod.connector.num_lease_expiries
+            metrics.catch_up_kv_reads(pod.connector.num_reads, pod.connector.num_read_bytes)
         counters = pod.engine.counters  # engine-thread totals, caught up the same way
         queried, hit = counters.num_prefix_queried_tokens, counters.num_prefix_hit_tokens
         metrics.prefix_cache_queried_tokens.inc(queried - num_queried)

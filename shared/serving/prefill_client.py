@@ -1,5 +1,5 @@
 """The one client of PrefillService, used by the router (Prefill, ReleaseKv) and by decode pods
-(GetKvSource, ReleaseKv): domain types in and out, and one timeout policy for the pod-to-pod calls."""
+(GetKvSource, ReserveKv, ReleaseKv): domain types in and out, and one timeout policy for the pod-to-pod calls."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,7 +17,7 @@ class PrefillClientConfig:
     """Timeouts of the calls a peer makes to a prefill pod outside a client's request deadline."""
 
     prefill_rpc_timeout_s: float = field(default=5.0, metadata=setting(
-        "seconds a GetKvSource or ReleaseKv call to a prefill pod may take", flag="--prefill-rpc-timeout",
+        "seconds a GetKvSource, ReserveKv or ReleaseKv call to a prefill pod may take", flag="--prefill-rpc-timeout",
     ))
 
     def __post_init__(self) -> None:
@@ -43,6 +43,12 @@ class PrefillClient:
     async def get_kv_source(self) -> wire.PrefillKvSource:
         answer = await self._stub.GetKvSource(prefill_pb2.GetKvSourceRequest(), timeout=self._timeout_s)
         return convert.kv_source_from_proto(answer)
+
+    async def reserve_kv(self, request_id: str, engine_id: str, prompt_digest: bytes) -> bool:
+        """Whether this caller may READ the hold (the first to ask, while it stands, for its prompt)."""
+        message = prefill_pb2.ReserveKvRequest(request_id=request_id, engine_id=engine_id, prompt_digest=prompt_digest)
+        answer = await self._stub.ReserveKv(message, timeout=self._timeout_s)
+        return answer.reserved
 
     async def release_kv(self, request_id: str, engine_id: str, prompt_digest: bytes = b"") -> bool:
         """Ends the hold; True when it was still intact and made for the prompt whose digest is given

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from proto.pdserve.v1 import common_pb2 as proto_dot_pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eproto/pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x1dproto/pdserve/v1/common.proto\"l\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\xbf\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12$\n\x06handle\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x37\n\x14\x66irst_token_logprobs\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x35\n\x11resolved_sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\x14\n\x12GetKvSourceRequest\"B\n\x0cMemoryRegion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\xfb\x01\n\x13GetKvSourceResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\x12)\n\x07regions\x18\x05 \x03(\x0b\x32\x18.pdserve.v1.MemoryRegion\x12\x13\n\x0b\x62lock_bytes\x18\x06 \x01(\x04\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12+\n\x0bmemory_kind\x18\x08 \x01(\x0e\x32\x16.pdserve.v1.MemoryKind\"P\n\x10ReleaseKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x15\n\rprompt_digest\x18\x03 \x01(\x0c\"#\n\x11ReleaseKvResponse\x12\x0e\n\x06intact\x18\x01 \x01(\x08*U\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_DRAM\x10\x01\x12\x14\n\x10MEMORY_KIND_VRAM\x10\x02\x32\xb2\x02\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12N\n\x0bGetKvSource\x12\x1e.pdserve.v1.GetKvSourceRequest\x1a\x1f.pdserve.v1.GetKvSourceResponse\x12H\n\tReleaseKv\x12\x1c.pdserve.v1.ReleaseKvRequest\x1a\x1d.pdserve.v1.ReleaseKvResponse\x12\x42\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x1b.pdserve.v1.GetLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eproto/pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x1dproto/pdserve/v1/common.proto\"l\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\xbf\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12$\n\x06handle\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x37\n\x14\x66irst_token_logprobs\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x35\n\x11resolved_sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\x14\n\x12GetKvSourceRequest\"B\n\x0cMemoryRegion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\xfb\x01\n\x13GetKvSourceResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\x12)\n\x07regions\x18\x05 \x03(\x0b\x32\x18.pdserve.v1.MemoryRegion\x12\x13\n\x0b\x62lock_bytes\x18\x06 \x01(\x04\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12+\n\x0bmemory_kind\x18\x08 \x01(\x0e\x32\x16.pdserve.v1.MemoryKind\"P\n\x10ReserveKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x15\n\rprompt_digest\x18\x03 \x01(\x0c\"%\n\x11ReserveKvResponse\x12\x10\n\x08reserved\x18\x01 \x01(\x08\"P\n\x10ReleaseKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x15\n\rprompt_digest\x18\x03 \x01(\x0c\"#\n\x11ReleaseKvResponse\x12\x0e\n\x06intact\x18\x01 \x01(\x08*U\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_DRAM\x10\x01\x12\x14\n\x10MEMORY_KIND_VRAM\x10\x02\x32\xfc\x02\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12N\n\x0bGetKvSource\x12\x1e.pdserve.v1.GetKvSourceRequest\x1a\x1f.pdserve.v1.GetKvSourceResponse\x12H\n\tReserveKv\x12\x1c.pdserve.v1.ReserveKvRequest\x1a\x1d.pdserve.v1.ReserveKvResponse\x12H\n\tReleaseKv\x12\x1c.pdserve.v1.ReleaseKvRequest\x1a\x1d.pdserve.v1.ReleaseKvResponse\x12\x42\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x1b.pdserve.v1.GetLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.pdserve.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEMORYKIND']._serialized_start=972
-  _globals['_MEMORYKIND']._serialized_end=1057
+  _globals['_MEMORYKIND']._serialized_start=1093
+  _globals['_MEMORYKIND']._serialized_end=1178
   _globals['_PREFILLREQUEST']._serialized_start=77
   _globals['_PREFILLREQUEST']._serialized_end=185
   _globals['_PREFILLRESPONSE']._serialized_start=188
@@ -44,10 +44,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MEMORYREGION']._serialized_end=597
   _globals['_GETKVSOURCERESPONSE']._serialized_start=600
   _globals['_GETKVSOURCERESPONSE']._serialized_end=851
-  _globals['_RELEASEKVREQUEST']._serialized_start=853
-  _globals['_RELEASEKVREQUEST']._serialized_end=933
-  _globals['_RELEASEKVRESPONSE']._serialized_start=935
-  _globals['_RELEASEKVRESPONSE']._serialized_end=970
-  _globals['_PREFILLSERVICE']._serialized_start=1060
-  _globals['_PREFILLSERVICE']._serialized_end=1366
+  _globals['_RESERVEKVREQUEST']._serialized_start=853
+  _globals['_RESERVEKVREQUEST']._serialized_end=933
+  _globals['_RESERVEKVRESPONSE']._serialized_start=935
+  _globals['_RESERVEKVRESPONSE']._serialized_end=972
+  _globals['_RELEASEKVREQUEST']._serialized_start=974
+  _globals['_RELEASEKVREQUEST']._serialized_end=1054
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1056
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1091
+  _globals['_PREFILLSERVICE']._serialized_start=1181
+  _globals['_PREFILLSERVICE']._serialized_end=1561
 # @@protoc_insertion_point(module_scope)

@@ -79,6 +79,22 @@ class GetKvSourceResponse(_message.Message):
     memory_kind: MemoryKind
     def __init__(self, engine_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ...) -> None: ...
 
+class ReserveKvRequest(_message.Message):
+    __slots__ = ("request_id", "engine_id", "prompt_digest")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    engine_id: str
+    prompt_digest: bytes
+    def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
+
+class ReserveKvResponse(_message.Message):
+    __slots__ = ("reserved",)
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    reserved: bool
+    def __init__(self, reserved: _Optional[bool] = ...) -> None: ...
+
 class ReleaseKvRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "prompt_digest")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -46,6 +46,11 @@ class PrefillServiceStub:
                 request_serializer=proto_dot_pdserve_dot_v1_dot_prefill__pb2.GetKvSourceRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve_dot_v1_dot_prefill__pb2.GetKvSourceResponse.FromString,
                 _registered_method=True)
+        self.ReserveKv = channel.unary_unary(
+                '/pdserve.v1.PrefillService/ReserveKv',
+                request_serializer=proto_dot_pdserve_dot_v1_dot_prefill__pb2.ReserveKvRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve_dot_v1_dot_prefill__pb2.ReserveKvResponse.FromString,
+                _registered_method=True)
         self.ReleaseKv = channel.unary_unary(
                 '/pdserve.v1.PrefillService/ReleaseKv',
                 request_serializer=proto_dot_pdserve_dot_v1_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
@@ -71,6 +76,14 @@ class PrefillServiceServicer:
 
     def GetKvSource(self, request, context):
         """Describes this pod's registered KV memory for NIXL (fetched once per engine and cached).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReserveKv(self, request, context):
+        """Reserves a hold for the one pull its handle allows, before any READ: refused once the hold ended
+        (released, abandoned, expired) or was reserved before, so a replayed handle reads nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -102,6 +115,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.GetKvSource,
                     request_deserializer=proto_dot_pdserve_dot_v1_dot_prefill__pb2.GetKvSourceRequest.FromString,
                     response_serializer=proto_dot_pdserve_dot_v1_dot_prefill__pb2.GetKvSourceResponse.SerializeToString,
+            ),
+            'ReserveKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveKv,
+                    request_deserializer=proto_dot_pdserve_dot_v1_dot_prefill__pb2.ReserveKvRequest.FromString,
+                    response_serializer=proto_dot_pdserve_dot_v1_dot_prefill__pb2.ReserveKvResponse.SerializeToString,
             ),
             'ReleaseKv': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseKv,
@@ -169,6 +187,33 @@ class PrefillService:
             '/pdserve.v1.PrefillService/GetKvSource',
             proto_dot_pdserve_dot_v1_dot_prefill__pb2.GetKvSourceRequest.SerializeToString,
             proto_dot_pdserve_dot_v1_dot_prefill__pb2.GetKvSourceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillService/ReserveKv',
+            proto_dot_pdserve_dot_v1_dot_prefill__pb2.ReserveKvRequest.SerializeToString,
+            proto_dot_pdserve_dot_v1_dot_prefill__pb2.ReserveKvResponse.FromString,
             options,
             channel_credentials,
             insecure,

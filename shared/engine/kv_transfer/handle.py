@@ -77,7 +77,8 @@ class KvPullOutcome(enum.Enum):
 
 @dataclass(frozen=True)
 class KvPullStats:
-    """One request's pull, for the first decode message, spans and metrics."""
+    """One request's pull, for the first decode message, spans and metrics. num_bytes: what its READ moved,
+    also when the data was then found bad and discarded; num_blocks: the blocks used."""
 
     num_bytes: int
     num_blocks: int

@@ -43,8 +43,10 @@ class NixlConnector(KVConnectorBase):
         # Set by the composition root: wakes the engine loop when another thread changed the state.
         self.wake: Callable[[], None] = lambda: None
 
-    # Pod-level reports; only a producer holds blocks for peers.
+    # Pod-level reports (engine-thread totals); only a producer holds blocks for peers, only a consumer READs.
     num_lease_expiries = 0
+    num_reads = 0
+    num_read_bytes = 0
 
     @property
     def num_held_blocks(self) -> int:

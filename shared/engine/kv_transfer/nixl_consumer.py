@@ -168,6 +168,10 @@ class NixlConsumer(NixlConnector):
                 # ReleaseKv over gRPC is the confirmation that matters.
                 notif_msg=None,
             )
+            # Every READ counts, its data used or not: a pull later found bad read memory all the same.
+            with self._lock:
+                self.num_reads += 1
+                self.num_read_bytes += pull.transfer.num_bytes
         except (KvTransferError, ValueError) as exc:
             logger.warning("posting the pull of %s failed: %s", pull.request_id, exc)
             pull.error = str(exc)
@@ -247,7 +251,7 @@ class NixlConsumer(NixlConnector):
             # Never decode on KV not known good: the scheduler recomputes (or fails) from these blocks.
             self._bad_block_ids.update(pull.local_block_ids)
         self._stats[pull.request_id] = KvPullStats(
-            num_bytes=transfer.num_bytes if good else 0,
+            num_bytes=transfer.num_bytes if transfer is not None else 0,
             num_blocks=len(pull.local_block_ids) if good else 0,
             num_cached_blocks=pull.num_cached_blocks,
             seconds=(transfer.seconds or 0.0) if transfer else 0.0,

@@ -24,6 +24,7 @@ class _Hold:
     block_ids: list[int]
     deadline_unix_ms: int
     prompt_digest: bytes
+    is_reserved: bool = False  # a decode pod was let READ it: its handle allows no other pull
 
 
 class NixlProducer(NixlConnector):
@@ -61,6 +62,20 @@ class NixlProducer(NixlConnector):
             prompt_digest=digest,
         )
         return True, self.signer.sign(handle)
+
+    def reserve(self, request_id: str, engine_id: str, prompt_digest: bytes) -> bool:
+        """Let one pull READ the hold's blocks (any thread): True only the first time, while the hold is in
+        place (not released, abandoned or expired) and was made for this prompt. A replayed handle (under
+        another request id, or after its hold ended) is refused here, before anything reads its blocks."""
+        now_ms = int(self._clock() * 1000)
+        with self._lock:
+            hold = self._holds.get(request_id) if engine_id == self.engine_id else None
+            if hold is None or hold.is_reserved or now_ms >= hold.deadline_unix_ms:
+                return False
+            if not hmac.compare_digest(prompt_digest, hold.prompt_digest):
+                return False
+            hold.is_reserved = True
+            return True
 
     def release(self, request_id: str, engine_id: str, prompt_digest: bytes = b"") -> bool:
         """End a hold (any thread). True only if the hold was in place until now and was made for the
