@@ -12,7 +12,9 @@ import sys
 from colocated_svc.servicer import ColocatedServicer
 from proto.pdserve.v1 import generate_pb2_grpc
 from shared.serving.api_auth import ApiAuthConfig, log_token_requirement
-from shared.serving.http_api import HttpConfig, HttpFront, HttpServer
+from shared.serving.http_server import HttpServer
+from shared.serving.openai.app import HttpFront
+from shared.serving.openai.config import HttpConfig
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.pod_server import add_pod_flags, pod_config_from_args, run_pod
 from shared.serving.settings import add_flags, config_from_args
@@ -53,7 +55,7 @@ def http_server(
     if http.http_port is None:
         return None
     front = HttpFront(
-        servicer.Generate,
+        servicer.generate,
         model_name=http.served_model_name or os.path.basename(os.path.normpath(args.model)),
         codec=lambda: codec,
         registry=servicer.metrics.registry,

@@ -5,19 +5,21 @@ from __future__ import annotations
 import functools
 import logging
 import uuid
+from typing import AsyncIterator
 
 import grpc
 
 from proto.pdserve.v1 import generate_pb2_grpc
 from shared.serving import convert, fan_out
+from shared.serving.generate_rpc import serve_generate
+from shared.serving.generation import GenerateChunk, GenerateInput, OnEnd, prompt_token_ids
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.outcomes import CallError, InvalidRequest, PodUnavailable, invalid_on_value_error
 from shared.serving.pod_server import PodServicer
-from shared.serving.pod_call import refuse
 from shared.engine.request import FinishReason, Request, SamplingParams
 from shared.serving.output_text import OutputText
 from shared.serving.telemetry import SpanAttr
-from shared.serving.text import TextStream, encode_text, generate_input
+from shared.serving.text import TextStream, encode_text
 
 logger = logging.getLogger(__name__)
 
@@ -38,35 +40,39 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
         return self.pod.tokenizer if self.pod is not None else None
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
-        request_id = request.request_id or uuid.uuid4().hex
-        try:
-            sampling = convert.sampling_params_from_proto(request.sampling if request.HasField("sampling") else None)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        """The gRPC call: a proto adapter over generate()."""
+        async for message in serve_generate(self.generate, request, context):
+            yield message
+
+    async def generate(self, work: GenerateInput, *, on_end: OnEnd | None = None) -> AsyncIterator[GenerateChunk]:
+        """One request's chunks (n completions interleaved, labelled by index); CallEnded with its status
+        when it fails. on_end: unused (closing the generator ends the engine request)."""
+        request_id = work.request_id or uuid.uuid4().hex
+        sampling = work.sampling
         if sampling.n == 1:
-            async for chunk in self._complete(request, context, request_id, sampling, 0):
+            async for chunk in self._complete(work, request_id, sampling, 0):
                 yield chunk
             return
-        pod = await self.admit(context)
         try:
-            pod.check_room(sampling.n)  # the completions run together or not at all
+            self.admitted_pod().check_room(sampling.n)  # the completions run together or not at all
         except CallError as exc:
-            await refuse(self, context, exc)
+            raise self.refused(exc) from None
         children = lambda index: self._complete(  # noqa: E731
-            request, context, request_id, fan_out.child_params(sampling, index), index
+            work, request_id, fan_out.child_params(sampling, index), index
         )
         async for chunk in fan_out.merge(children, sampling.n):
             yield chunk
 
-    async def _complete(self, request, context, request_id: str, sampling: SamplingParams, index: int):
+    async def _complete(self, work: GenerateInput, request_id: str, sampling: SamplingParams,
+                        index: int) -> AsyncIterator[GenerateChunk]:
         """One completion of the request, its chunks labelled with index."""
-        async with await self.start_call(context, "colocated") as call:
+        async with self.start_local_call("colocated") as call:
             pod = self.pod
             call.request_id = request_id
             # Two clients may choose the same id; the engine keys requests by id, so make it unique.
             engine_request_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
             call.span.set_attribute(SpanAttr.REQUEST_ID, request_id)
-            prompt_ids, _ = await self.validate(request)
+            prompt_ids, _ = await self.validate(work, sampling)
             with invalid_on_value_error():
                 output = OutputText(TextStream(self.tokenizer) if self.tokenizer is not None else None, sampling)
             call.span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(prompt_ids))
@@ -89,7 +95,7 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
                     call.stop_early(finish)
                 elif finish is not None:
                     call.finish(finish)
-                yield convert.generate_chunk_to_proto(
+                yield GenerateChunk(
                     request_id=request_id,
                     token_ids=delta.token_ids,
                     text=delta.text,
@@ -107,13 +113,14 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
             if finish is None:  # the stream ended unfinished: the pod aborted everything (shutdown)
                 raise PodUnavailable("the pod stopped before the request finished")
 
-    async def validate(self, request) -> tuple[list[int], SamplingParams]:
-        """The prompt's token ids and the sampling params, or InvalidRequest saying what is wrong."""
+    async def validate(self, work: GenerateInput, sampling: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the sampling params the pod resolved, or InvalidRequest saying what is
+        wrong."""
         tokenizer = self.tokenizer
         encode = functools.partial(encode_text, tokenizer) if tokenizer is not None else None
         with invalid_on_value_error():
-            prompt, sampling = await generate_input(
-                request, encode, no_tokenizer_hint="serve a model directory with tokenizer.json (or pass --tokenizer)"
+            prompt = await prompt_token_ids(
+                work, encode, no_tokenizer_hint="serve a model directory with tokenizer.json (or pass --tokenizer)"
             )
             prompt = convert.token_ids_from_proto(prompt, name="prompt token_ids", vocab_size=self.pod.vocab_size)
             sampling = self.pod.fill_sampling(sampling, len(prompt))

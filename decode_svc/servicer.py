@@ -30,6 +30,7 @@ from shared.engine.request import FinishReason, Request
 from shared.serving.telemetry import SpanAttr
 
 from decode_svc.kv_sources import KvSourceCache, KvSourceUnavailable
+from decode_svc.transport_probe import TRANSPORT_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
         self.metrics = metrics
         self.sources = sources
         sources.on_probe_failure = lambda result: metrics.kv_transport_failures.labels(result.transport).inc()
+        for transport in TRANSPORT_NAMES:  # a series per transport from the start: alerts see 0, not "no data"
+            metrics.kv_transport_failures.labels(transport)
         self._traces: dict[str, _DecodeTrace] = {}
         self._late_releases: dict[str, otel_context.Context] = {}
         self._unverified_engines: set[str] = set()  # prefill engines whose handles failed to verify (logged)

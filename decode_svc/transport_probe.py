@@ -29,6 +29,8 @@ PROBE_BYTES = 4096
 PROBE_TIMEOUT_S = 5.0
 RDMA_TRANSPORTS = ("rc", "ud", "dc", "ib", "rdma")
 RDMA_DEVICES = Path("/sys/class/infiniband")
+# Every name derive_transport() gives (the `transport` label of the pull and transport-failure metrics).
+TRANSPORT_NAMES = ("tcp", "rdma", "cma", "cuda_ipc")
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from importlib import metadata
 from pathlib import Path
 
 from pdserve.launcher import DEFAULT_PORTS, ClusterPorts
-from shared.serving.reasoning import ReasoningParser
-from shared.serving.tool_calls import ToolCallParser
+from shared.serving.openai.reasoning import ReasoningParser
+from shared.serving.openai.tool_calls import ToolCallParser
 
 # Subcommands that hand their argv to a service's own composition root.
 SERVICE_MODULES = {
@@ -22,6 +22,7 @@ SERVICE_MODULES = {
     "prefill": "prefill_svc.__main__",
     "decode": "decode_svc.__main__",
     "colocated": "colocated_svc.__main__",
+    "planner": "planner.__main__",
 }
 DEMO_PROMPT = "The quick brown fox"
 DEFAULT_TARGET = f"127.0.0.1:{DEFAULT_PORTS.router}"

@@ -23,7 +23,8 @@ from shared.serving.api_auth import BearerTokenInterceptor, log_token_requiremen
 from shared.serving.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES, SERVICE_CHANNEL_OPTIONS, GrpcServer, ServerOptions, serve_until_stopped,
 )
-from shared.serving.http_api import HttpFront, HttpServer
+from shared.serving.http_server import HttpServer
+from shared.serving.openai.app import HttpFront
 from shared.serving.metrics import MetricsServer, start_metrics_server
 from shared.serving.prefill_client import PrefillClient
 from shared.serving.telemetry import Tracing, TracingConfig, setup_tracing
@@ -156,7 +157,7 @@ def http_front(
     if config.http.http_port is None:
         return None
     front = HttpFront(
-        servicer.Generate, model_name=served_model_name(config), codec=lambda: codec,
+        servicer.generate, model_name=served_model_name(config), codec=lambda: codec,
         registry=registry, is_ready=is_ready,
         max_model_len=lambda: servicer.max_model_len, api_key=api_token, tracer=lambda: tracing.tracer,
         config=config.http, model_aliases=(config.tokenizer_path,) if config.tokenizer_path else (),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from shared.serving.http_api import HttpConfig
+from shared.serving.openai.config import HttpConfig
 from shared.serving.api_auth import ApiAuthConfig
 from shared.serving.prefill_client import PrefillClientConfig
 from shared.serving.settings import add_flags, config_from_args, setting, settings_group

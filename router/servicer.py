@@ -19,13 +19,17 @@ from router.kv_index import KvIndex, PromptHashes
 from router.metrics import RouterMetrics
 from router.policy import NoPick, Route, RouteDecision, RouteReason, candidates, decide_route, pick
 from router.retry import Backoff, Stalled, retry_after_s
-from shared.serving.text import TextCodec, generate_input
+from shared.serving.text import TextCodec
 from router.workers import WorkerPool
 from shared.serving import convert, fan_out, wire
 from shared.serving.output_text import OutputText
 from shared.engine.kv_transfer.handle import KvHandle, KvPullOutcome, KvPullStats
 from shared.engine.request import FinishReason, SamplingParams
-from shared.serving.outcomes import CANCELLED, ERROR, OK, RETRY_AFTER_KEY, outcome_of_code, prompt_too_long
+from shared.serving.generate_rpc import serve_generate
+from shared.serving.generation import CallEnded, GenerateChunk, GenerateInput, OnEnd, prompt_token_ids
+from shared.serving.outcomes import (
+    CANCELLED, ERROR, INVALID, OK, RETRY_AFTER_KEY, outcome_of_code, prompt_too_long,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +102,10 @@ _RETRYABLE = (*_DROPPED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 _ANSWER_MAY_BE_LOST = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
+def _no_cleanup(cleanup) -> None:
+    """A caller whose call ends only by closing the generator (whose finally frees the hold)."""
+
+
 class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
     def __init__(
         self,
@@ -119,52 +127,73 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         self._turns = {prefill.tier: 0, decode.tier: 0}
         self._background: set[asyncio.Task] = set()
 
-    # ---- the RPC ------------------------------------------------------------------------------
+    # ---- the call ------------------------------------------------------------------------------
     async def Generate(self, request, context):
-        request_id = request.request_id or uuid.uuid4().hex
+        """The gRPC call: a proto adapter over generate()."""
+        async for message in serve_generate(self.generate, request, context, on_invalid=self._count_invalid):
+            yield message
+
+    async def generate(self, work: GenerateInput, *, on_end: OnEnd | None = None) -> AsyncIterator[GenerateChunk]:
+        """One request's chunks (n completions interleaved, labelled by index); CallEnded with its status
+        when it fails. on_end: registers the cleanup of a KV hold for when the caller's call ends."""
+        request_id = work.request_id or uuid.uuid4().hex
         # Pods key holds by request id, and two clients may pick the same one: suffix it downstream.
-        pod_request_id = f"{request_id}.{uuid.uuid4().hex[:8]}" if request.request_id else request_id
+        pod_request_id = f"{request_id}.{uuid.uuid4().hex[:8]}" if work.request_id else request_id
         start = time.monotonic()
+        on_end = on_end or _no_cleanup
         outcome = ERROR
+        num_output_tokens = 0
         try:
-            prompt_ids, sampling = await self._validate(request)
-            # The server span (from the tracing interceptor, when on) is current here.
+            prompt_ids, sampling = await self._validate(work)
+            # The server span (from the tracing interceptor or the HTTP front, when on) is current here.
             span = trace.get_current_span()
             span.set_attribute("pdserve.request_id", pod_request_id)
             span.set_attribute("pdserve.num_prompt_tokens", len(prompt_ids))
             if "max_tokens" not in sampling.unset:  # else the pods fill it from the checkpoint
                 span.set_attribute("pdserve.max_tokens", sampling.max_tokens)
+<<<<<<< HEAD
+            if self._metrics is not None:
+                self._metrics.prompt_tokens.observe(len(prompt_ids) * sampling.n)
             remaining = context.time_remaining()
             deadline = _Deadline(self._config.request_timeout_s if remaining is None else remaining)
+=======
+            deadline = _Deadline(self._config.request_timeout_s if work.timeout_s is None else work.timeout_s)
+>>>>>>> main
             if sampling.n == 1:
-                completions = self._route(request_id, pod_request_id, prompt_ids, sampling, deadline, start, context)
+                completions = self._route(request_id, pod_request_id, prompt_ids, sampling, deadline, start, on_end)
             else:
                 completions = fan_out.merge(lambda index: self._route(
                     request_id, f"{pod_request_id}-{index}", prompt_ids, fan_out.child_params(sampling, index),
-                    deadline, start, context, index,
+                    deadline, start, on_end, index,
                 ), sampling.n)
             async with aclosing(completions):
                 async for chunk in completions:
+                    num_output_tokens += len(chunk.token_ids)
                     yield chunk
             outcome = OK
         except RouteError as exc:
             outcome = outcome_of_code(exc.code)
             if exc.where is not None:
                 logger.info("request %s ended with %s on %s: %s", request_id, exc.code.name, exc.where, exc.message)
-            await context.abort(exc.code, exc.message, trailing_metadata=exc.trailing_metadata)
-        except asyncio.CancelledError:
+            raise CallEnded(exc.code, exc.message, exc.trailing_metadata) from None
+        except (asyncio.CancelledError, GeneratorExit):
             outcome = CANCELLED
             raise
         finally:
             if self._metrics is not None:
                 self._metrics.requests.labels(outcome=outcome).inc()
+                self._metrics.output_tokens.observe(num_output_tokens)
 
-    async def _validate(self, request) -> tuple[list[int], SamplingParams]:
+    def _count_invalid(self) -> None:
+        """A Generate message that is unusable as it stands (counted as generate() counts bad input)."""
+        if self._metrics is not None:
+            self._metrics.requests.labels(outcome=INVALID).inc()
+
+    async def _validate(self, work: GenerateInput) -> tuple[list[int], SamplingParams]:
         encode = self._codec.encode if self._codec is not None else None
+        sampling = work.sampling
         try:
-            prompt_ids, sampling = await generate_input(
-                request, encode, no_tokenizer_hint="start the router with --tokenizer"
-            )
+            prompt_ids = await prompt_token_ids(work, encode, no_tokenizer_hint="start the router with --tokenizer")
             if sampling.stop and self._codec is None:
                 raise ValueError("sampling: stop strings need a tokenizer: start the router with --tokenizer")
         except ValueError as exc:
@@ -189,8 +218,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         return min(lengths, default=None)
 
     async def _route(
-        self, request_id, pod_request_id, prompt_ids, sampling, deadline, start, context, index=0
-    ) -> AsyncIterator:
+        self, request_id, pod_request_id, prompt_ids, sampling, deadline, start, on_end: OnEnd, index=0
+    ) -> AsyncIterator[GenerateChunk]:
         """One completion: prefill then decode (or decode alone); its chunks labelled with index."""
         prompt = PromptHashes(prompt_ids)
         generated: list[int] = []
@@ -201,7 +230,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             nonlocal num_sent
             delta = output.push(token_ids, finish)
             num_sent += len(delta.token_ids)
-            return convert.generate_chunk_to_proto(
+            return GenerateChunk(
                 request_id=request_id,
                 token_ids=delta.token_ids,
                 text=delta.text,
@@ -227,13 +256,13 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                     hold = _Hold(prefill_address, pod_request_id, result.handle)
                     # However the call ends (cancelled or timed out even while token 1 goes out), a
                     # hold no decode pod confirmed is released at once, not at the lease's end.
-                    context.add_done_callback(lambda _context, hold=hold: self._abandon(hold))
+                    on_end(lambda hold=hold: self._abandon(hold))
                 # Token 1 goes out before any decode work: TTFT never waits for the KV transfer.
                 first_logprobs = [result.first_token_logprobs] if result.first_token_logprobs is not None else []
                 first = chunk([result.first_token_id], result.finish_reason, first_logprobs, result.prompt_logprobs)
                 yield first
                 self._record_ttft(start)
-                if first.finish_reason:
+                if first.finish_reason is not None:
                     return  # token 1 ended it (or a stop string in it): the finally frees any hold
             decoded_chunks = self._run_decode(pod_request_id, prompt, sampling, generated, deadline, hold)
             async with aclosing(decoded_chunks):
@@ -243,7 +272,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                     yield sent
                     if is_first:
                         self._record_ttft(start)
-                    if sent.finish_reason:
+                    if sent.finish_reason is not None:
                         # Maybe a stop string: closing the decode call aborts the request on the decode pod.
                         return
         finally:

@@ -48,3 +48,19 @@ def test_dependencies_are_pinned_by_the_constraints_file() -> None:
     for requirement in pyproject["project"]["dependencies"]:
         name = re.sub(r"[-_.]+", "-", re.split(r"[<>=!~\[ ]", requirement)[0]).lower()
         assert name == "torch" or name in pinned, f"{name} is not pinned in constraints.txt"
+
+
+def test_the_base_is_a_build_argument_pinned_by_digest() -> None:
+    default = re.search(r"^ARG PYTHON_IMAGE=(\S+)$", DOCKERFILE, flags=re.M).group(1)
+    assert re.fullmatch(r"[\w./-]+:[\w.-]+@sha256:[0-9a-f]{64}", default), default
+    assert DOCKERFILE.count("FROM ${PYTHON_IMAGE} AS") == 2
+    # Debian's own python3 (the CI base, scripts/image_check.sh) has no `python` command before the venv.
+    assert "RUN python3 -m venv /opt/venv" in DOCKERFILE
+
+
+def test_the_router_http_port_is_exposed_and_build_only_packages_are_left_out() -> None:
+    exposed = re.search(r"^EXPOSE (.+)$", _stages()["runtime"], flags=re.M).group(1).split()
+    assert {"8000", "50051", "50061", "50071", "9400", "20000-20099"} <= set(exposed)
+    build = _stages()["build"]
+    assert "pip uninstall -y setuptools ninja" in build
+    assert "/nixl_ep_cu12" in build

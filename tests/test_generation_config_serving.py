@@ -26,7 +26,8 @@ from shared.engine.llm_engine import LLMEngine
 from shared.engine.model.loader import load_model, save_pretrained
 from shared.engine.request import FinishReason, SamplingParams
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
-from shared.serving.http_api import HttpFront, HttpServer
+from shared.serving.http_server import HttpServer
+from shared.serving.openai.app import HttpFront
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.pod_runtime import Pod, PodConfig
 from shared.serving.text import TextCodec
@@ -164,7 +165,7 @@ async def _colocated_http(model_dir, mode: str):
     codec = TextCodec.from_path(str(model_dir))
     servicer = ColocatedServicer(ServiceMetrics(), tokenizer=codec.tokenizer)
     servicer.attach(pod)
-    front = HttpFront(servicer.Generate, model_name="m", codec=lambda: codec, registry=servicer.metrics.registry,
+    front = HttpFront(servicer.generate, model_name="m", codec=lambda: codec, registry=servicer.metrics.registry,
                       is_ready=lambda: True, max_model_len=lambda: pod.max_model_len)
     server = HttpServer(front.app, "127.0.0.1", 0)
     await server.start()

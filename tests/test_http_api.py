@@ -15,9 +15,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from colocated_svc.servicer import ColocatedServicer
-from proto.pdserve.v1 import common_pb2, generate_pb2
 from shared.engine.request import MAX_LOGPROBS, MAX_N
-from shared.serving.http_api import COMPLETIONS_PATH, HttpConfig, HttpFront, HttpServer
+from shared.engine.request import FinishReason
+from shared.serving.generation import GenerateChunk
+from shared.serving.http_server import HttpServer
+from shared.serving.openai.app import HttpFront
+from shared.serving.openai.config import COMPLETIONS_PATH, HttpConfig
 from shared.serving.metrics import ServiceMetrics
 from shared.serving.pod_runtime import Pod, PodConfig, serving_cache_config
 from shared.serving.telemetry import Tracing, TracingConfig, setup_tracing
@@ -47,7 +50,7 @@ async def colocated_http(tracing: Tracing | None = None, codec: TextCodec | None
     if tracing is not None:
         servicer.use_tracing(tracing)
         pod.loop.is_timing_requests = True  # the timelines feed the stage spans
-    front = HttpFront(servicer.Generate, model_name="tiny", codec=lambda: codec, registry=servicer.metrics.registry,
+    front = HttpFront(servicer.generate, model_name="tiny", codec=lambda: codec, registry=servicer.metrics.registry,
                       is_ready=lambda: True, max_model_len=lambda: pod.max_model_len,
                       tracer=lambda: servicer.tracing.tracer, **front_options)
     server = HttpServer(front.app, "127.0.0.1", 0)
@@ -408,7 +411,7 @@ def test_split_router_refuses_a_prompt_beyond_the_model_length_without_forwardin
 
 @pytest.mark.timeout(60)
 def test_an_internal_error_is_an_openai_error_object_and_the_server_serves_on():
-    async def failing_generate(message, context):
+    async def failing_generate(work, on_end=None):
         raise RuntimeError("simulated bug")
         yield  # an async generator, as the servicers' Generate
 
@@ -467,9 +470,9 @@ def test_models_wait_for_readiness_cors_and_the_models_path_as_its_name():
     CORS answers; the path the model was loaded from names it too, as in vLLM."""
     ready = False
 
-    async def generate(message, context):
-        yield generate_pb2.GenerateResponse(token_ids=[1], text="x", num_prompt_tokens=1, num_output_tokens=1,
-                                            finish_reason=common_pb2.FINISH_REASON_LENGTH)
+    async def generate(work, on_end=None):
+        yield GenerateChunk("r", token_ids=[1], text="x", num_prompt_tokens=1, num_output_tokens=1,
+                            finish_reason=FinishReason.LENGTH)
 
     async def scenario():
         front = HttpFront(generate, model_name="m", codec=lambda: None, registry=ServiceMetrics().registry,

@@ -11,9 +11,9 @@ import jsonschema
 import openai
 import pytest
 
-from shared.serving.http_api import HttpConfig
-from shared.serving.reasoning import ReasoningParser
-from shared.serving.tool_calls import ToolCallParser
+from shared.serving.openai.config import HttpConfig
+from shared.serving.openai.reasoning import ReasoningParser
+from shared.serving.openai.tool_calls import ToolCallParser
 from tests.test_http_api import _all_free, _wait_pods_idle, _wait_until, colocated_http
 from tests.test_http_tools import _regex_of
 

@@ -11,8 +11,8 @@ import jsonschema
 import openai
 import pytest
 
-from shared.serving.http_api import HttpConfig
-from shared.serving.tool_calls import ToolCallParser
+from shared.serving.openai.config import HttpConfig
+from shared.serving.openai.tool_calls import ToolCallParser
 from tests.test_http_api import _all_free, _wait_pods_idle, _wait_until, colocated_http
 
 pytestmark = pytest.mark.e2e

@@ -16,8 +16,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from certs import make_pki, server_tls
-from proto.pdserve.v1 import common_pb2, generate_pb2
-from shared.serving.http_api import HttpFront, HttpServer
+from shared.engine.request import FinishReason
+from shared.serving.generation import GenerateChunk, GenerateInput
+from shared.serving.http_server import HttpServer
+from shared.serving.openai.app import HttpFront
 from shared.serving.tls import TlsConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
@@ -30,10 +32,10 @@ def pki(tmp_path_factory):
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
-async def _echo(request: generate_pb2.GenerateRequest, context):
-    ids = list(request.token_ids.ids)
-    yield generate_pb2.GenerateResponse(token_ids=ids, text="echo", num_prompt_tokens=len(ids),
-                                        num_output_tokens=len(ids), finish_reason=common_pb2.FINISH_REASON_LENGTH)
+async def _echo(work: GenerateInput, on_end=None):
+    ids = list(work.prompt)
+    yield GenerateChunk("r", token_ids=ids, text="echo", num_prompt_tokens=len(ids), num_output_tokens=len(ids),
+                        finish_reason=FinishReason.LENGTH)
 
 
 @contextlib.asynccontextmanager

@@ -44,10 +44,13 @@ EXPECTED_ARGS = {
         "--model", "tiny", "--grace-seconds", "75", "--kv-port-range", "20000-20099",
     ],
 }
-COMPONENTS = ("jaeger", "keda", "model-volume", "rdma", "service-monitor")
-# Custom resources: kubernetes-validate knows only the built-in API, so these are checked by the
-# structural tests below (test_keda_scales_each_pod_tier..., test_service_monitor...) instead.
-CUSTOM_KINDS = {"ScaledObject": "keda.sh/v1alpha1", "ServiceMonitor": "monitoring.coreos.com/v1"}
+COMPONENTS = ("jaeger", "keda", "model-volume", "rdma", "service-monitor", "alerts", "grafana-dashboards",
+              "inference-gateway")
+# Custom resources: kubernetes-validate knows only the built-in API, so these are checked against their
+# CRDs' schemas in test_k8s_custom_resources.py instead.
+CUSTOM_KINDS = {"ScaledObject": "keda.sh/v1alpha1", "ServiceMonitor": "monitoring.coreos.com/v1",
+                "PrometheusRule": "monitoring.coreos.com/v1", "InferencePool": "inference.networking.k8s.io/v1",
+                "HTTPRoute": "gateway.networking.k8s.io/v1"}
 # Components an overlay itself composes.
 BUILT_IN_COMPONENTS = {"jaeger": ("jaeger",)}
 LIVENESS_SERVICE = "liveness"

@@ -17,7 +17,7 @@ from shared.engine.request import (
     StructuredOutputSpec,
     TokenLogprobs,
 )
-from shared.serving import openai_protocol as oai
+from shared.serving.openai import objects, protocol as oai
 from shared.serving.chat_template import ChatTemplate, ChatTemplateError
 from shared.serving.outcomes import InvalidRequest
 from shared.serving.text import TextCodec
@@ -134,12 +134,12 @@ def _token_texts(ids):
 
 def test_completion_logprobs_as_vllm_writes_them():
     entries = [TokenLogprobs(7, -0.5, ((7, -0.5), (8, -1.5))), TokenLogprobs(9, float("-inf"), ((10, -0.1),))]
-    logprobs, offset = oai.completion_logprobs(entries, _token_texts, text_offset=3)
+    logprobs, offset = objects.completion_logprobs(entries, _token_texts, text_offset=3)
     assert logprobs == {
         "tokens": ["ab", "é"],
-        "token_logprobs": [-0.5, oai.MIN_LOGPROB],
+        "token_logprobs": [-0.5, objects.MIN_LOGPROB],
         # The chosen token first, then the most likely ones.
-        "top_logprobs": [{"ab": -0.5, "c": -1.5}, {"é": oai.MIN_LOGPROB, "d": -0.1}],
+        "top_logprobs": [{"ab": -0.5, "c": -1.5}, {"é": objects.MIN_LOGPROB, "d": -0.1}],
         "text_offset": [3, 5],
     }
     assert offset == 6
@@ -147,7 +147,7 @@ def test_completion_logprobs_as_vllm_writes_them():
 
 def test_chat_logprobs_as_openai_writes_them():
     entries = [TokenLogprobs(9, -0.25, ((10, -0.1), (9, -0.25)))]
-    assert oai.chat_logprobs(entries, _token_texts) == {"content": [{
+    assert objects.chat_logprobs(entries, _token_texts) == {"content": [{
         "token": "é", "logprob": -0.25, "bytes": [0xC3, 0xA9],
         "top_logprobs": [{"token": "d", "logprob": -0.1, "bytes": [100]},
                          {"token": "é", "logprob": -0.25, "bytes": [0xC3, 0xA9]}],
@@ -284,7 +284,8 @@ def test_logit_bias_names_what_is_wrong():
 
 
 def test_a_retry_hint_becomes_http_retry_after_in_whole_seconds():
-    from shared.serving.http_api import CallEnded, _ended_error
+    from shared.serving.generation import CallEnded
+    from shared.serving.openai.errors import ended_error as _ended_error
     from shared.serving.outcomes import RETRY_AFTER_KEY
     import grpc
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from shared.serving.reasoning import ReasoningStream, prompt_opens_thinking, split_reasoning
+from shared.serving.openai.reasoning import ReasoningStream, prompt_opens_thinking, split_reasoning
 
 CASES = [
     # (output, prompt opened <think>, reasoning, content)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shared.serving.outcomes import InvalidRequest
-from shared.serving.responses_api import ResponseEvents, ResponseShell, chat_body, output_items
+from shared.serving.openai.responses_protocol import ResponseEvents, ResponseShell, chat_body, output_items
 
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}, "strict": True}
 

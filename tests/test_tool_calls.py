@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from shared.serving.outcomes import InvalidRequest
-from shared.serving.tool_calls import ToolCallParser, ToolChoice, template_messages, tool_request
+from shared.serving.openai.tool_calls import ToolCallParser, ToolChoice, template_messages, tool_request
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
@@ -179,7 +179,7 @@ def test_an_assistants_call_arguments_reach_the_template_as_an_object():
 
 
 def test_vllms_readings_empty_tools_no_parameters_and_a_forced_call_over_a_response_format():
-    from shared.serving.openai_protocol import sampling_params_from_openai
+    from shared.serving.openai.protocol import sampling_params_from_openai
 
     assert tool_request({"tools": []}, None) is None  # LangChain's bind_tools([])
     no_parameters = request(tool_choice={"type": "function", "function": {"name": "get_time"}})

@@ -7,7 +7,6 @@ servicer can map it straight to INVALID_ARGUMENT.
 from __future__ import annotations
 
 import math
-from typing import Callable
 from proto.pdserve.v1 import common_pb2, decode_pb2, generate_pb2, kv_events_pb2, prefill_pb2
 from shared.engine.kv_cache.events import KvEvent, KvEventKind
 from shared.engine.kv_transfer.handle import KvHandle, KvLayout, KvPullOutcome, KvPullStats
@@ -15,15 +14,14 @@ from shared.engine.kv_transfer.handle import KvRegion, KvSource
 from shared.engine.request import DEFAULT_MAX_TOKENS, MODEL_DEFAULT_FIELDS, FinishReason, SamplingParams
 from shared.engine.request import StructuredOutputSpec
 from shared.engine.request import TokenLogprobs
+from shared.serving.generation import MAX_REQUEST_ID_LENGTH, GenerateChunk, GenerateInput, check_request_id
 from shared.serving.wire import (
     DecodeChunk, DecodeInput, KvEventUpdate, LoadReport, PrefillInput, PrefillKvSource, PrefillResult,
 )
 
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
-# Ids are names, not payloads (a UUID is 36 characters). A client's id on Generate has at most
-# MAX_REQUEST_ID_LENGTH; a pod takes twice that, room for the suffixes the router adds to it.
-MAX_REQUEST_ID_LENGTH = 256
+# A pod takes request ids twice a client's length, room for the suffixes the router adds to them.
 MAX_POD_REQUEST_ID_LENGTH = 2 * MAX_REQUEST_ID_LENGTH
 
 
@@ -383,13 +381,6 @@ def _request_id(value: str) -> str:
     return check_request_id(value, MAX_POD_REQUEST_ID_LENGTH)
 
 
-def check_request_id(value: str, limit: int = MAX_REQUEST_ID_LENGTH) -> str:
-    """A caller-chosen request id travels on every chunk, span and log line: bounded in length."""
-    if len(value) > limit:
-        raise ValueError(f"request_id has {len(value)} characters; at most {limit} are allowed")
-    return value
-
-
 def prefill_request_to_proto(
     request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
 ) -> prefill_pb2.PrefillRequest:
@@ -550,47 +541,26 @@ def generate_prompt_from_proto(message: generate_pb2.GenerateRequest) -> str | l
     return token_ids_from_proto(message.token_ids.ids, name="prompt token_ids")
 
 
-def generate_input_from_proto(
-    message: generate_pb2.GenerateRequest, encode: Callable[[str], list[int]] | None, *, no_tokenizer_hint: str
-) -> tuple[list[int], SamplingParams]:
-    """The prompt's token ids (text encoded with `encode`) and the sampling params; ValueError saying
-    what is wrong. no_tokenizer_hint: how to serve text prompts, for when `encode` is None."""
+def generate_input_from_proto(message: generate_pb2.GenerateRequest, timeout_s: float | None) -> GenerateInput:
+    """The domain request of a Generate call (timeout_s: the call's deadline); ValueError saying what is wrong."""
     check_request_id(message.request_id)
     prompt = generate_prompt_from_proto(message)
     sampling = sampling_params_from_proto(message.sampling if message.HasField("sampling") else None)
-    if isinstance(prompt, str):
-        if encode is None:
-            raise ValueError(f"text prompts need a tokenizer: {no_tokenizer_hint}, or send token_ids")
-        prompt = list(encode(prompt))
-        if not prompt:
-            raise ValueError("prompt text encodes to no tokens")
-    return prompt, sampling
+    return GenerateInput(prompt, sampling, message.request_id, timeout_s)
 
 
-def generate_chunk_to_proto(
-    *,
-    request_id: str,
-    token_ids: list[int],
-    num_prompt_tokens: int,
-    num_output_tokens: int,
-    text: str = "",
-    finish_reason: FinishReason | None = None,
-    logprobs: list[TokenLogprobs] = (),
-    index: int = 0,
-    stop_string: str = "",
-    prompt_logprobs: list[TokenLogprobs] = (),
-) -> generate_pb2.GenerateResponse:
+def generate_chunk_to_proto(chunk: GenerateChunk) -> generate_pb2.GenerateResponse:
     return generate_pb2.GenerateResponse(
-        request_id=request_id,
-        token_ids=token_ids,
-        text=text,
-        finish_reason=finish_reason_to_proto(finish_reason),
-        num_prompt_tokens=num_prompt_tokens,
-        num_output_tokens=num_output_tokens,
-        logprobs=[token_logprobs_to_proto(entry) for entry in logprobs],
-        index=index,
-        stop_string=stop_string,
-        prompt_logprobs=[token_logprobs_to_proto(entry) for entry in prompt_logprobs],
+        request_id=chunk.request_id,
+        token_ids=chunk.token_ids,
+        text=chunk.text,
+        finish_reason=finish_reason_to_proto(chunk.finish_reason),
+        num_prompt_tokens=chunk.num_prompt_tokens,
+        num_output_tokens=chunk.num_output_tokens,
+        logprobs=[token_logprobs_to_proto(entry) for entry in chunk.logprobs],
+        index=chunk.index,
+        stop_string=chunk.stop_string,
+        prompt_logprobs=[token_logprobs_to_proto(entry) for entry in chunk.prompt_logprobs],
     )
 
 

@@ -13,7 +13,10 @@ from opentelemetry import trace
 
 from shared.engine.request import FinishReason, Request
 from shared.serving.engine_thread import RequestStream
-from shared.serving.outcomes import CANCELLED, ERROR, OK, RETRY_AFTER_KEY, CallError, PodOverloaded, status_of
+from shared.serving.generation import CallEnded
+from shared.serving.outcomes import (
+    CANCELLED, ERROR, OK, RETRY_AFTER_KEY, CallError, PodOverloaded, outcome_of_code, status_of,
+)
 from shared.serving.telemetry import SpanAttr
 
 if TYPE_CHECKING:
@@ -26,8 +29,8 @@ class PodCall:
     """Use as `async with`: the body raises a CallError (or lets one through) to end the call with
     its status; anything else unexpected is logged and ends it with INTERNAL."""
 
-    def __init__(self, servicer: "PodServicer", context: grpc.aio.ServicerContext, tier: str | None):
-        """tier: name of the queue/compute spans recorded from the stream's timeline (None: the
+    def __init__(self, servicer: "PodServicer", context: grpc.aio.ServicerContext | None, tier: str | None):
+        """context: the gRPC call's (None: work called in process, whose failures raise CallEnded); tier: name of the queue/compute spans recorded from the stream's timeline (None: the
         servicer records its own spans)."""
         self.pod = servicer.pod
         self.context = context
@@ -90,6 +93,8 @@ class PodCall:
             outcome = self._outcome or CANCELLED  # the caller went away
         elif isinstance(exc, grpc.aio.AbortError):
             outcome = self._outcome or ERROR  # the status was already sent
+        elif isinstance(exc, CallEnded):
+            outcome = self._outcome or outcome_of_code(exc.code)
         elif isinstance(exc, CallError):
             status = status_of(exc)
             outcome = status[1]
@@ -99,6 +104,8 @@ class PodCall:
             exc = RuntimeError(f"internal error: {exc!r}")
         self._end(outcome)
         if status is not None:
+            if self.context is None:
+                raise CallEnded(status[0], str(exc), _retry_hint(exc)) from None
             await self.context.abort(status[0], str(exc), trailing_metadata=_retry_hint(exc))
         return False
 
@@ -120,6 +127,11 @@ async def refuse(servicer: "PodServicer", context: grpc.aio.ServicerContext, err
     code, outcome = status_of(error)
     servicer.metrics.record_outcome(outcome)
     await context.abort(code, str(error), trailing_metadata=_retry_hint(error))
+
+
+def call_ended(error: CallError) -> CallEnded:
+    """A named error as the status of the in-process call it ends."""
+    return CallEnded(status_of(error)[0], str(error), _retry_hint(error))
 
 
 def _retry_hint(error: BaseException) -> tuple[tuple[str, str], ...]:

@@ -19,13 +19,15 @@ from opentelemetry import context as otel_context
 from shared.serving.engine_thread import RequestTimeline
 from shared.serving.api_auth import BearerTokenInterceptor
 from shared.serving.grpc_server import GrpcServer, ServerOptions, announce, serve_until_stopped
-from shared.serving.http_api import HttpServer
+from shared.serving.http_server import HttpServer
 from shared.serving.handle_key import add_handle_key_flags
 from shared.engine.kv_transfer.connector import KVRole
 from shared.engine.kv_transfer.transfer_agent import recommended_environment
 from shared.serving.cpu_limit import default_num_threads
 from shared.serving.metrics import MetricsServer, ServiceMetrics, start_metrics_server
-from shared.serving.pod_call import PodCall
+from shared.serving.generation import CallEnded
+from shared.serving.outcomes import CallError, PodUnavailable, status_of
+from shared.serving.pod_call import PodCall, call_ended
 from shared.serving.pod_runtime import CONSUMER_SETTINGS, PRODUCER_SETTINGS, Pod, PodConfig
 from shared.serving.settings import add_flags, config_from_args
 from shared.serving.tls import TlsConfig
@@ -84,7 +86,8 @@ def parse_port_range(value: str) -> str:
 
 
 async def refresh_gauges(pod: Pod, metrics: ServiceMetrics) -> None:
-    num_lease_expiries = num_queried = num_hit = 0
+    num_lease_expiries = num_queried = num_hit = num_steps = num_tokens = 0
+    busy_s = 0.0
     while True:
         if pod.connector is not None:
             # The connector counts on the engine thread; the counter catches up here.
@@ -96,6 +99,10 @@ async def refresh_gauges(pod: Pod, metrics: ServiceMetrics) -> None:
         metrics.prefix_cache_queried_tokens.inc(queried - num_queried)
         metrics.prefix_cache_hit_tokens.inc(hit - num_hit)
         num_queried, num_hit = queried, hit
+        metrics.engine_steps.inc(counters.num_compute_steps - num_steps)
+        metrics.engine_tokens.inc(counters.num_scheduled_tokens - num_tokens)
+        metrics.engine_busy_seconds.inc(counters.busy_s - busy_s)
+        num_steps, num_tokens, busy_s = counters.num_compute_steps, counters.num_scheduled_tokens, counters.busy_s
         load = pod.load_report()
         metrics.set_queue(num_waiting=load.num_waiting, num_running=load.num_running)
         metrics.set_kv_blocks(
@@ -140,6 +147,27 @@ class PodServicer:
         """Admit a call that starts new work; use the result as `async with`."""
         await self.admit(context)
         return PodCall(self, context, tier)
+
+    def admitted_pod(self) -> Pod:
+        """The pod, for work called in process; PodUnavailable while it loads or drains for shutdown."""
+        if self.is_draining:
+            raise PodUnavailable("the pod is shutting down")
+        if self.pod is None:
+            raise PodUnavailable("the pod is still loading its model")
+        return self.pod
+
+    def start_local_call(self, tier: str | None) -> PodCall:
+        """start_call for work called in process (no gRPC call): a failure raises CallEnded with its status."""
+        try:
+            self.admitted_pod()
+        except CallError as exc:
+            raise call_ended(exc) from None
+        return PodCall(self, None, tier)
+
+    def refused(self, error: CallError) -> CallEnded:
+        """The end of in-process work that started nothing, counted by its outcome (as refuse() does)."""
+        self.metrics.record_outcome(status_of(error)[1])
+        return call_ended(error)
 
     # ---- tracing helpers (all no-ops when tracing is off) -------------------------------------
     def trace_parent(self) -> otel_context.Context | None:

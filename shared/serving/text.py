@@ -3,11 +3,8 @@ checkpoint's chat template, and turns streamed token ids into text incrementally
 the stream when it never completes, as transformers' decode() shows it)."""
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
 import re
-from collections.abc import Callable
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -17,32 +14,16 @@ from shared.engine.gguf_tokenizer import gguf_special_tokens, tokenizer_from_ggu
 from shared.engine.model.fetched_presets import resolve_model_source
 from shared.engine.model.gguf_metadata import GgufMetadata, gguf_path
 from shared.engine.model.preset_files import preset_tokenizer_dir
-from proto.pdserve.v1 import generate_pb2
-from shared.engine.request import SamplingParams
 from shared.engine.tokenizer import load_tokenizer
-from shared.serving import convert
 from shared.serving.chat_template import TEMPLATE_FILE, TOKENIZER_CONFIG_FILE, ChatTemplate, ChatTemplateError
 
 logger = logging.getLogger(__name__)
-
-# A prompt text longer than this is tokenized on a worker thread (a megabyte takes about half a second
-# on one core), so the event loop goes on serving the other requests, health checks included.
-LONG_TEXT_CHARS = 16_384
 
 
 def encode_text(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool = True) -> list[int]:
     """The token ids of text. The batch call releases the GIL while it works (encode() holds it), so a
     worker thread tokenizing a long prompt does not stall the event loop; _fast skips the offsets."""
     return tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
-
-
-async def generate_input(message: generate_pb2.GenerateRequest, encode: Callable[[str], list[int]] | None, *,
-                         no_tokenizer_hint: str) -> tuple[list[int], SamplingParams]:
-    """convert.generate_input_from_proto, on a worker thread when the prompt text is long."""
-    parse = functools.partial(convert.generate_input_from_proto, message, encode, no_tokenizer_hint=no_tokenizer_hint)
-    if message.WhichOneof("prompt") == "text" and len(message.text) > LONG_TEXT_CHARS:
-        return await asyncio.to_thread(parse)
-    return parse()
 
 
 def _byte_level_chars() -> dict[str, int]:

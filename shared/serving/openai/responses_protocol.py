@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any
 
-from shared.serving.openai_protocol import SAMPLING_FIELDS, UNSUPPORTED_FIELDS, boolean
+from shared.serving.openai.protocol import SAMPLING_FIELDS, UNSUPPORTED_FIELDS, boolean
 from shared.serving.outcomes import InvalidRequest
 
 # Responses fields this server does not honour, with the value that asks for nothing.

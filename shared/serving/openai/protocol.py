@@ -1,24 +1,16 @@
-"""The OpenAI request and response shapes: parses /v1/completions and /v1/chat/completions bodies into
-the public Generate input (prompt + the domain SamplingParams, in one mapping table) and builds the
-response and stream-chunk objects. No web framework here; errors are InvalidRequest saying what is wrong."""
+"""The OpenAI request tables: parses /v1/completions and /v1/chat/completions bodies into the generation
+input (prompt + the domain SamplingParams, in one mapping table), fields refused by name. No web framework
+here; errors are InvalidRequest saying what is wrong."""
 from __future__ import annotations
 
 import json
 import math
-import time
-import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
-from shared.engine.request import (
-    MAX_LOGPROBS,
-    MODEL_DEFAULT_FIELDS,
-    FinishReason,
-    SamplingParams,
-    StructuredOutputSpec,
-    TokenLogprobs,
-)
+from shared.engine.request import MAX_LOGPROBS, MODEL_DEFAULT_FIELDS, SamplingParams, StructuredOutputSpec
 from shared.serving.convert import UINT32_MAX
+from shared.serving.generation import GenerateInput
 from shared.serving.outcomes import InvalidRequest
 
 # OpenAI's default (the domain default is greedy; an OpenAI client that sends no temperature expects 1),
@@ -29,15 +21,6 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # A batch of prompts runs as this many completions at most (prompts x n), so one request cannot take a
 # pod's whole admission.
 MAX_COMPLETIONS_PER_REQUEST = 1024  # a pod's default admission (--max-requests-in-flight)
-# vLLM clamps -inf log-probabilities to this, so the JSON stays valid.
-MIN_LOGPROB = -9999.0
-
-_FINISH_REASONS = {
-    FinishReason.STOP: "stop",
-    FinishReason.LENGTH: "length",
-    FinishReason.ABORT: "abort",
-    FinishReason.ERROR: "error",
-}
 
 
 def _number(name: str, value: Any) -> float:
@@ -88,6 +71,13 @@ def _stop(name: str, value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _token_count(name: str, value: Any) -> int:
+    value = _integer(name, value)
+    if value > UINT32_MAX:  # the most any service takes (a smaller one is refused by SamplingParams)
+        raise InvalidRequest(f"{name} must be an integer in [0, {UINT32_MAX}], got {value!r}")
+    return value
+
+
 def _logit_bias(name: str, value: Any) -> dict[int, float]:
     """OpenAI sends token ids as JSON object keys (strings)."""
     if not isinstance(value, dict):
@@ -95,6 +85,9 @@ def _logit_bias(name: str, value: Any) -> dict[int, float]:
     bad_keys = [token for token in value if not token.isdigit()]
     if bad_keys:
         raise InvalidRequest(f"{name} keys must be token ids, got {bad_keys[:5]!r}")
+    too_large = [token for token in value if int(token) > UINT32_MAX]
+    if too_large:
+        raise InvalidRequest(f"logit_bias key must be an integer in [0, {UINT32_MAX}], got {int(too_large[0])!r}")
     return {int(token): _number(f"{name}[{token}]", bias) for token, bias in value.items()}
 
 
@@ -157,8 +150,8 @@ def _structured_outputs(name: str, value: Any) -> StructuredOutputSpec:
 # The one mapping from OpenAI request fields to SamplingParams fields: field -> (param, parse).
 # A supported option is one more row here.
 SAMPLING_FIELDS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
-    "max_tokens": ("max_tokens", _integer),
-    "max_completion_tokens": ("max_tokens", _integer),  # chat's newer name
+    "max_tokens": ("max_tokens", _token_count),
+    "max_completion_tokens": ("max_tokens", _token_count),  # chat's newer name
     "temperature": ("temperature", _number),
     "top_p": ("top_p", _number),
     "top_k": ("top_k", _top_k),
@@ -389,124 +382,11 @@ def chat_template_options(body: dict[str, Any]) -> ChatTemplateOptions:
     )
 
 
-# ---- responses --------------------------------------------------------------------------------
-
-
-def finish_reason_to_openai(reason: FinishReason | None) -> str | None:
-    return None if reason is None else _FINISH_REASONS[reason]
-
-
-def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": num_output_tokens,
-        "total_tokens": num_prompt_tokens + num_output_tokens,
-    }
-
-
-@dataclass
-class ResponseIds:
-    """The id, creation time and model every object of one response carries."""
-
-    id: str
-    created: int
-    model: str
-
-    @classmethod
-    def new(cls, prefix: str, model: str) -> "ResponseIds":
-        return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model)
-
-    def envelope(self, object_name: str) -> dict[str, Any]:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
-
-
-def completion_choice(index: int, text: str, finish: FinishReason | None,
-                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason_to_openai(finish)}
-
-
-def chat_choice(index: int, content: str | None, finish_reason: str | None, logprobs: dict[str, Any] | None = None,
-                tool_calls: list[dict[str, Any]] | None = None, reasoning: str | None = None) -> dict[str, Any]:
-    """finish_reason: OpenAI's (finish_reason_to_openai, or "tool_calls"); content None beside tool calls;
-    reasoning: a reasoning model's thinking, when the server reads it apart."""
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if reasoning is not None:
-        message.update(reasoning_fields(reasoning))
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def reasoning_fields(reasoning: str) -> dict[str, str]:
-    """vLLM's field for a message's thinking, and reasoning_content, its older name that many clients read."""
-    return {"reasoning": reasoning, "reasoning_content": reasoning}
-
-
-def chat_delta(index: int, delta: dict[str, Any], finish_reason: str | None,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-# Token ids -> the text of each one alone (what logprobs name tokens by), and their own bytes.
-TokenTexts = Callable[[list[int]], list[str]]
-TokenBytes = Callable[[list[int]], list[bytes]]
-
-
-def _clamped(logprob: float) -> float:
-    return max(logprob, MIN_LOGPROB)
-
-
-def completion_logprobs(
-    entries: Sequence[TokenLogprobs | int], token_texts: TokenTexts, text_offset: int
-) -> tuple[dict[str, Any], int]:
-    """/v1/completions' logprobs of these tokens, as vLLM writes them: each token's text and logprob, a
-    {text: logprob} of the token and the most likely ones, and where each token starts in the
-    completion's text (from text_offset). An entry that is a bare token id has no logprob (an echoed
-    prompt's first token): null for both. Returns it with the offset after the last token."""
-    texts = iter(token_texts([token for entry in entries for token in _token_ids_of(entry)]))
-    result: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for entry in entries:
-        token = next(texts)
-        logprob, top = None, None
-        if isinstance(entry, TokenLogprobs):
-            logprob = _clamped(entry.logprob)
-            top = {token: logprob}
-            for _, value in entry.top:
-                top.setdefault(next(texts), _clamped(value))
-        result["tokens"].append(token)
-        result["token_logprobs"].append(logprob)
-        result["top_logprobs"].append(top)
-        result["text_offset"].append(text_offset)
-        text_offset += len(token)
-    return result, text_offset
-
-
-def _token_ids_of(entry: TokenLogprobs | int) -> tuple[int, ...]:
-    if isinstance(entry, int):
-        return (entry,)
-    return (entry.token_id, *(token for token, _ in entry.top))
-
-
-def chat_logprobs(entries: Sequence[TokenLogprobs], token_texts: TokenTexts,
-                  token_bytes: TokenBytes | None = None) -> dict[str, Any]:
-    """/v1/chat/completions' logprobs of these tokens: each token with its logprob and bytes (its own, from
-    token_bytes, where a token holds part of a character; else its text's UTF-8), and the most likely tokens
-    at its position (most likely first)."""
-    token_ids = [token for entry in entries for token in (entry.token_id, *(t for t, _ in entry.top))]
-    texts = token_texts(token_ids)
-    raw = iter(token_bytes(token_ids) if token_bytes is not None else [text.encode() for text in texts])
-    texts = iter(texts)
-
-    def described(logprob: float) -> dict[str, Any]:
-        return {"token": next(texts), "logprob": _clamped(logprob), "bytes": list(next(raw))}
-
-    content = []
-    for entry in entries:
-        item = described(entry.logprob)
-        item["top_logprobs"] = [described(logprob) for _, logprob in entry.top]
-        content.append(item)
-    return {"content": content}
-
-
-def error_object(message: str, error_type: str, status: int, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+def generate_inputs(body: dict[str, Any], prompts: list[str | list[int]], params: SamplingParams) -> list[GenerateInput]:
+    """One generation input per prompt: a batch's prompts run as requests of their own, each with an id of
+    its own."""
+    request_id = body.get("request_id") or ""
+    if not isinstance(request_id, str):
+        raise InvalidRequest(f"request_id must be a string, got {request_id!r}")
+    return [GenerateInput(prompt, params, f"{request_id}-{index}" if request_id and len(prompts) > 1 else request_id)
+            for index, prompt in enumerate(prompts)]
