@@ -4,6 +4,8 @@ the colocated server both give transformers' greedy tokens, loading the same fil
 tokenizer and chat template built from the file's metadata equal transformers' own."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 openai = pytest.importorskip("openai")
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 NUM_OUTPUT = 48
 QUESTIONS = [
@@ -85,26 +87,43 @@ def systems(gguf_file, tmp_path_factory):
         colocated.stop()
 
 
-def _greedy(address: str, prompt: list[int]) -> list[int]:
-    tokens = []
-    with PdserveClient(address) as client:
-        for chunk in client.generate(prompt, max_tokens=NUM_OUTPUT, temperature=0.0, ignore_eos=True, timeout=300):
-            tokens += chunk.token_ids
-    return tokens
-
-
-def test_split_and_colocated_equal_transformers_token_for_token(reference, systems):
+@pytest.fixture(scope="module")
+def expected(reference) -> dict[str, tuple[list[int], list[int]]]:
+    """question -> (prompt ids, transformers' NUM_OUTPUT greedy tokens), computed before any server starts."""
     tokenizer, model = reference
-    router, _, colocated, cluster = systems
     model.generation_config.eos_token_id = None  # as ignore_eos: all NUM_OUTPUT tokens
+    out = {}
     for question in QUESTIONS:
         prompt = _chat_ids(tokenizer, question)
         with torch.no_grad():
-            expected = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                      max_new_tokens=NUM_OUTPUT, do_sample=False, pad_token_id=0)[0, len(prompt):]
-        split = _greedy(router, prompt)
-        assert split == expected.tolist(), question
-        assert _greedy(colocated, prompt) == split, question
+            tokens = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                    max_new_tokens=NUM_OUTPUT, do_sample=False, pad_token_id=0)[0, len(prompt):]
+        out[question] = (prompt, tokens.tolist())
+    return out
+
+
+def _greedy_all(address: str, prompts: list[list[int]]) -> list[list[int]]:
+    """Every prompt at once (the pods batch them), NUM_OUTPUT greedy tokens each."""
+    def one(prompt: list[int]) -> list[int]:
+        tokens = []
+        with PdserveClient(address) as client:
+            for chunk in client.generate(prompt, max_tokens=NUM_OUTPUT, temperature=0.0, ignore_eos=True,
+                                         timeout=600):
+                tokens += chunk.token_ids
+        return tokens
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def test_split_and_colocated_equal_transformers_token_for_token(expected, systems):
+    router, _, colocated, cluster = systems
+    prompts = [prompt for prompt, _ in expected.values()]
+    references = [tokens for _, tokens in expected.values()]
+    split = _greedy_all(router, prompts)
+    for question, got, want in zip(expected, split, references):
+        assert got == want, question
+    assert _greedy_all(colocated, prompts) == split
     assert_all_blocks_free(cluster)
 
 
