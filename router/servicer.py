@@ -151,14 +151,9 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             span.set_attribute("pdserve.num_prompt_tokens", len(prompt_ids))
             if "max_tokens" not in sampling.unset:  # else the pods fill it from the checkpoint
                 span.set_attribute("pdserve.max_tokens", sampling.max_tokens)
-<<<<<<< HEAD
             if self._metrics is not None:
                 self._metrics.prompt_tokens.observe(len(prompt_ids) * sampling.n)
-            remaining = context.time_remaining()
-            deadline = _Deadline(self._config.request_timeout_s if remaining is None else remaining)
-=======
             deadline = _Deadline(self._config.request_timeout_s if work.timeout_s is None else work.timeout_s)
->>>>>>> main
             if sampling.n == 1:
                 completions = self._route(request_id, pod_request_id, prompt_ids, sampling, deadline, start, on_end)
             else:
