@@ -27,7 +27,7 @@ from shared.engine.kv_transfer.handle import KvHandle, KvPullOutcome, KvPullStat
 from shared.engine.request import FinishReason, SamplingParams
 from shared.serving.generate_rpc import serve_generate
 from shared.serving.generation import CallEnded, GenerateChunk, GenerateInput, OnEnd, prompt_token_ids
-from shared.serving.outcomes import (
+from shared.serving.pod.outcomes import (
     CANCELLED, ERROR, INVALID, OK, RETRY_AFTER_KEY, outcome_of_code, prompt_too_long,
 )
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.serving.wire import LoadReport, PrefillKvSource
 from shared.engine.llm_engine import LLMEngine
-from shared.serving.engine_thread import EngineLoop, RequestStream
+from shared.serving.pod.engine_thread import EngineLoop, RequestStream
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
 from shared.engine.kv_transfer.handle import KvLayout
 from shared.engine.kv_transfer.handle_signing import HandleSigner
@@ -25,7 +25,7 @@ from shared.engine.model.generation_config import (
 )
 from shared.engine.model.loader import DTYPE_AUTO, DTYPE_CHOICES, load_model
 from shared.engine.request import Request, SamplingParams
-from shared.serving.outcomes import InvalidRequest, PodOverloaded, prompt_too_long
+from shared.serving.pod.outcomes import InvalidRequest, PodOverloaded, prompt_too_long
 from shared.serving.settings import engine_settings, setting, settings_group
 from shared.serving.tls import TlsConfig
 
