@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from shared.engine.kv_transfer.connector import KVConnectorBase, KVRole
+from shared.engine.kv_transfer.connector import KVConnectorBase, KVLoadFailurePolicy, KVRole
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.serving.pod.engine_thread import EngineLoop, EngineStopped
@@ -87,7 +87,7 @@ class _CountingConnector(KVConnectorBase):
     """A producer with no holds, counting the idle progress calls (a NIXL agent's UCX progress)."""
 
     def __init__(self):
-        super().__init__(KVRole.PRODUCER)
+        super().__init__(KVRole.PRODUCER, KVLoadFailurePolicy.RECOMPUTE)
         self.num_idle_progress = 0
 
     def progress_while_idle(self) -> None:
