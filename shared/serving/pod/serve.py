@@ -105,16 +105,17 @@ async def run_pod(
     server = pod_grpc_server(server_config, pod_config.tls, tracing, services, api_token)
     set_kv_transport_env(server_config.kv_port_range, uses_cuda=pod_config.device.startswith("cuda"))
     if http is not None:
+        server.drain_beside(http.stop)  # one drain: HTTP stops accepting and drains with the gRPC calls
         closers.push_async_callback(http.stop)
 
     async def start() -> list[str]:
         port = await server.start()
         if http is not None:
-            await http.start()
+            await http.start(server.drain)
             announce(f"{service_name} OpenAI-compatible HTTP API at {http.url}/v1")
         pod = await load_pod(role, advertised(pod_config, role, server_config.host, port), server_config.kv_port_range,
                              tracing)
-        server.on_shutdown(functools.partial(shut_down, pod, server, services, http))
+        server.on_shutdown(functools.partial(shut_down, pod, server, services))
         for _, servicer, _ in services:
             servicer.attach(pod)
         metrics = services[0][1].metrics  # the pod's metrics: its first service's
@@ -214,15 +215,11 @@ async def load_pod(role: KVRole | None, pod_config: PodConfig, kv_port_range: st
     return pod
 
 
-async def shut_down(
-    pod: Pod, server: GrpcServer, services: Sequence[tuple[Callable, PodServicer, str]], http: HttpServer | None
-) -> None:
+async def shut_down(pod: Pod, server: GrpcServer, services: Sequence[tuple[Callable, PodServicer, str]]) -> None:
     """The server's on_shutdown (readiness already NOT_SERVING): refuse new work, let requests in flight
     finish within what is left of the grace period, stop the pod, then the servicers."""
     for _, servicer, _ in services:
         servicer.is_draining = True
-    if http is not None:
-        await http.stop()
     await drain(pod, server.shutdown_seconds_left())
     await pod.stop()
     for _, servicer, _ in services:
