@@ -19,15 +19,15 @@ from router.metrics import RouterMetrics
 from router.servicer import RouterServicer
 from shared.serving.text import TextCodec
 from router.workers import WorkerPool
-from shared.serving.api_auth import BearerTokenInterceptor, log_token_requirement
-from shared.serving.grpc_server import (
+from shared.serving.server.api_auth import BearerTokenInterceptor, log_token_requirement
+from shared.serving.server.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES, SERVICE_CHANNEL_OPTIONS, GrpcServer, ServerOptions, serve_until_stopped,
 )
-from shared.serving.http_server import HttpServer
+from shared.serving.server.http_server import HttpServer
 from shared.serving.openai.app import HttpFront
-from shared.serving.metrics import MetricsServer, start_metrics_server
+from shared.serving.server.metrics import MetricsServer, start_metrics_server
 from shared.serving.prefill_client import PrefillClient
-from shared.serving.telemetry import Tracing, TracingConfig, setup_tracing
+from shared.serving.server.telemetry import Tracing, TracingConfig, setup_tracing
 
 logger = logging.getLogger("router")
 
@@ -74,14 +74,14 @@ async def run(
     http = http_front(config, servicer, codec, registry, api_token, tracing,
                       is_ready=lambda: prefill.has_healthy and decode.has_healthy)
     if http is not None:
-        server.on_shutdown(http.stop)  # before the drain: no new HTTP requests while the others finish
+        server.drain_beside(http.stop)  # one drain: HTTP stops accepting and drains with the gRPC calls
         closers.push_async_callback(http.stop)
     server.on_shutdown(servicer.drain)
 
     async def start() -> list[str]:
         await server.start()
         if http is not None:
-            await http.start()
+            await http.start(server.drain)
         await prefill.start()
         await decode.start()
         await update_health()

@@ -7,7 +7,7 @@ import random
 import jsonschema
 import pytest
 
-from shared.serving.outcomes import InvalidRequest
+from shared.serving.pod.outcomes import InvalidRequest
 from shared.serving.openai.tool_calls import ToolCallParser, ToolChoice, template_messages, tool_request
 
 WEATHER = {"type": "function", "function": {

@@ -14,7 +14,7 @@ from shared.serving.openai.chat import chat_prompt
 from shared.serving.openai.errors import invalid
 from shared.serving.openai.state import FrontState
 from shared.serving.openai.tool_calls import tool_request
-from shared.serving.outcomes import InvalidRequest
+from shared.serving.pod.outcomes import InvalidRequest
 from shared.serving.text import TextCodec, encode_text
 
 
