@@ -157,7 +157,8 @@ def _serve(args: argparse.Namespace, front: ServiceProcess, services: list[Servi
     if args.demo:
         return _demo(http_url, args.max_tokens)
     print(f"ready (Ctrl-C stops):\n  curl {http_url}/chat/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"{EXAMPLE_QUESTION}\"}}]}}'", flush=True)
+          f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"{EXAMPLE_QUESTION}\"}}], \"temperature\": 0}}'",
+          flush=True)
     _wait_for_interrupt(services)
 
 
@@ -166,7 +167,8 @@ def _demo(http_url: str, max_tokens: int) -> None:
     import json
     import urllib.request
 
-    body = {"messages": [{"role": "user", "content": EXAMPLE_QUESTION}], "max_tokens": max_tokens, "stream": True}
+    body = {"messages": [{"role": "user", "content": EXAMPLE_QUESTION}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}
     request = urllib.request.Request(f"{http_url}/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     print(f"asking {EXAMPLE_QUESTION!r}:", flush=True)
