@@ -112,5 +112,7 @@ def invalid_on_value_error() -> Iterator[None]:
     that means the caller's input is bad. Outside it a ValueError stays an internal error."""
     try:
         yield
+    except InvalidRequest:
+        raise
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None

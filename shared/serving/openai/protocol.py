@@ -37,7 +37,7 @@ def _integer(name: str, value: Any) -> int:
 
 def boolean(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise InvalidRequest(f"{name} must be true or false, got {shortened(value)}")
+        raise InvalidRequest(f"{name} must be true or false, got {shortened(value)}", name)
     return value
 
 
@@ -193,14 +193,14 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
 }
 def _string(name: str, value: Any) -> str:
     if not isinstance(value, str):
-        raise InvalidRequest(f"{name} must be a string, got {shortened(value)}")
+        raise InvalidRequest(f"{name} must be a string, got {shortened(value)}", name)
     return value
 
 
 def _metadata(name: str, value: Any) -> dict[str, str]:
     """OpenAI's metadata: string keys to string values."""
     if not isinstance(value, dict) or not all(isinstance(item, str) for item in value.values()):
-        raise InvalidRequest(f"{name} must be an object of strings, got {shortened(value)}")
+        raise InvalidRequest(f"{name} must be an object of strings, got {shortened(value)}", name)
     return value
 
 
