@@ -41,6 +41,7 @@ COPY decode_svc/ decode_svc/
 COPY router/ router/
 COPY colocated_svc/ colocated_svc/
 COPY pdserve/ pdserve/
+COPY planner/ planner/
 # --no-build-isolation: setup.py needs this environment's torch to build the kernel against it. The check
 # runs from / so that Python imports the installed package (with its .so), not the source tree in /src.
 RUN pip wheel --no-build-isolation --no-deps --wheel-dir /wheels . \

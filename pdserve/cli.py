@@ -22,6 +22,7 @@ SERVICE_MODULES = {
     "prefill": "prefill_svc.__main__",
     "decode": "decode_svc.__main__",
     "colocated": "colocated_svc.__main__",
+    "planner": "planner.__main__",
 }
 DEMO_PROMPT = "The quick brown fox"
 DEFAULT_TARGET = f"127.0.0.1:{DEFAULT_PORTS.router}"

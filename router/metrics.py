@@ -6,6 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from shared.serving.metrics import TTFT_BUCKETS_S
 from shared.serving.outcomes import OUTCOMES
 
+TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384)
+
 
 
 class RouterMetrics:
@@ -20,6 +22,15 @@ class RouterMetrics:
         self.ttft_seconds = Histogram(
             "pdserve_router_ttft_seconds", "Time from the Generate call to token 1 leaving the router",
             buckets=TTFT_BUCKETS_S, registry=registry,
+        )
+        # The demand the planner (planner/) forecasts: prompt tokens arriving, output tokens per request.
+        self.prompt_tokens = Histogram(
+            "pdserve_router_prompt_tokens", "Prompt tokens of each request accepted (times n completions)",
+            buckets=TOKEN_BUCKETS, registry=registry,
+        )
+        self.output_tokens = Histogram(
+            "pdserve_router_output_tokens", "Output tokens sent per request that ended",
+            buckets=TOKEN_BUCKETS, registry=registry,
         )
         self.retries = Counter(
             "pdserve_router_retries", "Downstream calls retried on another worker", ["tier"], registry=registry,

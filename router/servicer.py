@@ -142,6 +142,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         start = time.monotonic()
         on_end = on_end or _no_cleanup
         outcome = ERROR
+        num_output_tokens = 0
         try:
             prompt_ids, sampling = await self._validate(work)
             # The server span (from the tracing interceptor or the HTTP front, when on) is current here.
@@ -150,6 +151,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             span.set_attribute("pdserve.num_prompt_tokens", len(prompt_ids))
             if "max_tokens" not in sampling.unset:  # else the pods fill it from the checkpoint
                 span.set_attribute("pdserve.max_tokens", sampling.max_tokens)
+            if self._metrics is not None:
+                self._metrics.prompt_tokens.observe(len(prompt_ids) * sampling.n)
             deadline = _Deadline(self._config.request_timeout_s if work.timeout_s is None else work.timeout_s)
             if sampling.n == 1:
                 completions = self._route(request_id, pod_request_id, prompt_ids, sampling, deadline, start, on_end)
@@ -160,6 +163,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 ), sampling.n)
             async with aclosing(completions):
                 async for chunk in completions:
+                    num_output_tokens += len(chunk.token_ids)
                     yield chunk
             outcome = OK
         except RouteError as exc:
@@ -173,6 +177,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         finally:
             if self._metrics is not None:
                 self._metrics.requests.labels(outcome=outcome).inc()
+                self._metrics.output_tokens.observe(num_output_tokens)
 
     def _count_invalid(self) -> None:
         """A Generate message that is unusable as it stands (counted as generate() counts bad input)."""

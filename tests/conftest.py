@@ -29,6 +29,15 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return True if _E2E_MODULE.search(collection_path.read_text()) else None
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The fast lane runs no hypothesis test (they are e2e), but hypothesis' pytest plugin imports all of
+    hypothesis at the end of every session (its terminal summary), a second or more of the lane's time."""
+    if _deselects_every_e2e_test(config.option.markexpr):
+        plugin = config.pluginmanager.get_plugin("hypothesispytest")
+        if plugin is not None:
+            config.pluginmanager.unregister(plugin)
+
+
 def _deselects_every_e2e_test(markexpr: str) -> bool:
     """Whether the -m expression is terms joined by "and", one of them "not e2e". Expressions with "or" or
     parentheses are left to pytest's own deselection."""

@@ -31,6 +31,7 @@ def test_prefill_flops_of_llama3_8b(bench):
     assert flops == pytest.approx(2 * layer_params * 2048 + attention + 2 * 4096 * 128256)
 
 
+@pytest.mark.e2e  # a whole benchmark run (model, runner, every case): seconds, so the slow lane
 def test_cpu_smoke_run_writes_every_case(bench, tmp_path, monkeypatch):
     out = tmp_path / "step.json"
     monkeypatch.setattr(sys, "argv", ["bench_gpu_step.py", "--device", "cpu", "--preset", "tiny", "--quick",

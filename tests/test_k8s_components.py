@@ -99,6 +99,81 @@ def test_tls_component_gives_every_pod_its_files_flags_and_tls_probes(tls_docs, 
         assert probe_args.service == plain[probe]["grpc"].get("service", "")
 
 
+# ---- components/planner: the planner as KEDA's external scaler ---------------------------------
+
+
+@pytest.fixture(scope="module", params=("dev", "gpu", "jaeger"))
+def planner_docs(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(f"planner-{request.param}")
+    up = os.path.relpath(REPO, directory)
+    base = _render_dir(REPO / "k8s" / "overlays" / request.param)
+    namespace = next(d["metadata"]["namespace"] for d in base if d["kind"] == "Deployment")
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": namespace,
+        "resources": [f"{up}/k8s/overlays/{request.param}"], "components": [f"{up}/k8s/components/planner"],
+    }))
+    return _render_dir(directory)
+
+
+def test_planner_component_documents_validate(planner_docs):
+    """Built-in kinds against Kubernetes' schema, the ScaledObjects against KEDA's CRD (tests/crd_schemas),
+    both strictly."""
+    import jsonschema
+
+    from test_k8s_custom_resources import _validators
+
+    scaled_object = _validators()[("keda.sh/v1alpha1", "ScaledObject")]
+    for doc in planner_docs:
+        if doc["kind"] == "ScaledObject":
+            scaled_object.validate(doc)
+        else:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    broken = next(d for d in planner_docs if d["kind"] == "ScaledObject")
+    with pytest.raises(jsonschema.ValidationError):
+        scaled_object.validate({**broken, "spec": {**broken["spec"], "minReplicaCont": 1}})
+
+
+def test_each_tier_scales_on_the_planners_external_scaler(planner_docs):
+    from planner.flags import PlannerConfig, build_arg_parser
+
+    scaled = {d["spec"]["scaleTargetRef"]["name"]: d for d in planner_docs if d["kind"] == "ScaledObject"}
+    assert set(scaled) == {"pdserve-prefill", "pdserve-decode"}
+    deployment = next(d for d in planner_docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "pdserve-planner")
+    service = next(d for d in planner_docs if d["kind"] == "Service" and d["metadata"]["name"] == "pdserve-planner")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    config = PlannerConfig.from_args(build_arg_parser().parse_args(container["args"][1:]))
+    assert container["args"][0] == "planner"
+    grpc_port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc")
+    assert grpc_port == config.port == {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"]
+    namespace = service["metadata"]["namespace"]
+    for name, scaled_object in scaled.items():
+        assert any(d["kind"] == "Deployment" and d["metadata"]["name"] == name for d in planner_docs)
+        trigger = scaled_object["spec"]["triggers"][0]
+        assert trigger["type"] == "external"
+        # KEDA's operator dials from its own namespace: the full name of the planner's Service.
+        assert trigger["metadata"]["scalerAddress"] == f"pdserve-planner.{namespace}.svc.cluster.local:{grpc_port}"
+        tier = trigger["metadata"]["tier"]
+        assert name == f"pdserve-{tier}"
+        spec = scaled_object["spec"]
+        assert spec["minReplicaCount"] == getattr(config.policy, f"min_{tier}")
+        assert spec["maxReplicaCount"] == getattr(config.policy, f"max_{tier}")
+    # The planner reads every pod's metrics port through the headless Services, and the routers' through its own.
+    for target in (*config.prefill_metrics, *config.decode_metrics, *config.router_metrics):
+        headless = next(d for d in planner_docs if d["kind"] == "Service" and d["metadata"]["name"] == target.host)
+        assert target.is_dns and headless["spec"]["clusterIP"] == "None"
+        assert target.port in [p["port"] for p in headless["spec"]["ports"]]
+
+
+def test_keda_may_call_the_planner_and_the_planner_may_read_the_pods(planner_docs):
+    policy = next(d for d in planner_docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "pdserve-planner")
+    ingress = policy["spec"]["ingress"][0]
+    assert ingress["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "keda"}
+    assert [p["port"] for p in ingress["ports"]] == [50090]
+    egress = policy["spec"]["egress"][0]
+    assert egress["to"][0]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "pdserve"}
+    assert [p["port"] for p in egress["ports"]] == [9400]
+
+
 def _render_with(overlay: str, *components: str) -> list[dict]:
     from test_k8s_manifests import _render
 

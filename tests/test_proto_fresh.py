@@ -1,4 +1,4 @@
-"""The committed stubs under proto/pdserve/v1 are exactly what grpc_tools.protoc generates from the .proto files."""
+"""The committed stubs under proto/pdserve/v1 and proto/externalscaler (KEDA's protocol) are exactly what grpc_tools.protoc generates from the .proto files."""
 import shutil
 import subprocess
 import sys
@@ -9,31 +9,33 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
-PROTO_DIR = Path("proto/pdserve/v1")
+PROTO_DIRS = (Path("proto/pdserve/v1"), Path("proto/externalscaler"))
 SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 
-def test_generated_stubs_are_fresh(tmp_path):
-    (tmp_path / PROTO_DIR).mkdir(parents=True)
-    protos = sorted((REPO / PROTO_DIR).glob("*.proto"))
+@pytest.mark.parametrize("proto_dir", PROTO_DIRS, ids=str)
+def test_generated_stubs_are_fresh(tmp_path, proto_dir):
+    (tmp_path / proto_dir).mkdir(parents=True)
+    protos = sorted((REPO / proto_dir).glob("*.proto"))
     assert protos, "no .proto files found"
     for proto in protos:
-        shutil.copy(proto, tmp_path / PROTO_DIR / proto.name)
-    rel = [str(PROTO_DIR / p.name) for p in protos]
+        shutil.copy(proto, tmp_path / proto_dir / proto.name)
+    rel = [str(proto_dir / p.name) for p in protos]
     subprocess.run(
         [sys.executable, "-m", "grpc_tools.protoc", "-I", ".", "--python_out=.", "--pyi_out=.",
          "--grpc_python_out=.", *rel],
         cwd=tmp_path, check=True, timeout=60,
     )
-    generated = sorted(p.name for p in (tmp_path / PROTO_DIR).iterdir() if p.name.endswith(SUFFIXES))
-    committed = sorted(p.name for p in (REPO / PROTO_DIR).iterdir() if p.name.endswith(SUFFIXES))
+    generated = sorted(p.name for p in (tmp_path / proto_dir).iterdir() if p.name.endswith(SUFFIXES))
+    committed = sorted(p.name for p in (REPO / proto_dir).iterdir() if p.name.endswith(SUFFIXES))
     assert generated == committed, "stub file set differs: run scripts/gen_proto.sh"
-    stale = [n for n in generated if (tmp_path / PROTO_DIR / n).read_bytes() != (REPO / PROTO_DIR / n).read_bytes()]
+    stale = [n for n in generated if (tmp_path / proto_dir / n).read_bytes() != (REPO / proto_dir / n).read_bytes()]
     assert not stale, f"stale generated stubs {stale}: run scripts/gen_proto.sh"
 
 
-def test_every_rpc_and_field_has_a_comment():
-    for proto in sorted((REPO / PROTO_DIR).glob("*.proto")):
+@pytest.mark.parametrize("proto_dir", PROTO_DIRS, ids=str)
+def test_every_rpc_and_field_has_a_comment(proto_dir):
+    for proto in sorted((REPO / proto_dir).glob("*.proto")):
         lines = proto.read_text().splitlines()
         for index, line in enumerate(lines):
             stripped = line.strip()

@@ -10,6 +10,10 @@ import torch
 
 pytest.importorskip("triton")
 
+# The slow lane: without a GPU every kernel runs in Triton's interpreter, a Python loop over its program
+# instances (the whole-engine runs take seconds each); this file was half of the fast lane's time.
+pytestmark = pytest.mark.e2e
+
 from shared.engine.model import triton_attention  # noqa: E402
 from shared.engine.model.attention import AttentionMetadata, SequenceSpan, paged_attention  # noqa: E402
 

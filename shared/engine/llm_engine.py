@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -56,9 +57,15 @@ class EngineCounters:
     num_prefix_hit_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Steps that computed tokens and their wall time: with the tokens, the pod's speed (capacity planning).
+    num_compute_steps: int = 0
+    busy_s: float = 0.0
 
-    def add(self, num_scheduled_tokens: int, stats) -> None:
+    def add(self, num_scheduled_tokens: int, stats, step_s: float = 0.0) -> None:
         self.num_steps += 1
+        if num_scheduled_tokens:
+            self.num_compute_steps += 1
+            self.busy_s += step_s
         self.num_scheduled_tokens += num_scheduled_tokens
         if stats is None:
             return
@@ -192,12 +199,13 @@ class LLMEngine:
 
     def step(self) -> list[EngineCoreOutput]:
         """One schedule -> execute -> update round; the per-request outputs it produced."""
+        started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         self._use_threads(1 if scheduler_output.total_num_scheduled_tokens < SMALL_STEP_TOKENS else self._max_threads)
         runner_output = self.runner.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.last_stats = core_outputs.scheduler_stats
-        self.counters.add(scheduler_output.total_num_scheduled_tokens, self.last_stats)
+        self.counters.add(scheduler_output.total_num_scheduled_tokens, self.last_stats, time.perf_counter() - started)
         return core_outputs.outputs
 
     def _use_threads(self, num_threads: int) -> None:

@@ -80,6 +80,17 @@ class ServiceMetrics:
             "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (not computed or pulled again).",
             namespace=NAMESPACE, registry=r,
         )
+        # The engine's work, for capacity planning (planner/): tokens per busy second is the pod's speed.
+        self.engine_steps = Counter(
+            "engine_steps", "Engine steps that computed tokens.", namespace=NAMESPACE, registry=r,
+        )
+        self.engine_tokens = Counter(
+            "engine_tokens", "Tokens the engine computed (prompt chunks, decodes, drafts).",
+            namespace=NAMESPACE, registry=r,
+        )
+        self.engine_busy_seconds = Counter(
+            "engine_busy_seconds", "Wall time of the engine steps that computed tokens.", namespace=NAMESPACE, registry=r,
+        )
         self._reads_seen = (0, 0)  # the connector's READ totals already counted
         self.requests = Counter(
             "requests", "Finished requests by outcome.", ["outcome"],

@@ -29,7 +29,7 @@ from shared.serving.generation import CallEnded
 from shared.serving.outcomes import CallError, PodUnavailable, status_of
 from shared.serving.pod_call import PodCall, call_ended
 from shared.serving.pod_runtime import CONSUMER_SETTINGS, PRODUCER_SETTINGS, Pod, PodConfig
-from shared.serving.settings import add_flags, config_from_args
+from shared.serving.settings import add_flags, config_from_args, setting
 from shared.serving.tls import TlsConfig
 from shared.serving.telemetry import (
     DEFAULT_UNTRACED_METHOD_PREFIXES, SpanAttr, Tracing, TracingConfig, record_span, setup_tracing,
@@ -48,21 +48,42 @@ DRAIN_POLL_S = 0.02
 DEFAULT_KV_PORT_RANGE = "20000-20099"
 
 
+def parse_port_range(value: str) -> str:
+    """'LOW-HIGH' with 1024 <= LOW <= HIGH <= 65535 (argparse type)."""
+    low, separator, high = value.partition("-")
+    if not (separator and low.isdigit() and high.isdigit() and 1024 <= int(low) <= int(high) <= 65535):
+        raise argparse.ArgumentTypeError(f"expected LOW-HIGH with 1024 <= LOW <= HIGH <= 65535, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class PodServerConfig:
+    """A pod's server settings, beside PodConfig's engine side: where it listens, its metrics and traces,
+    its KV transfer ports and its drain. Each field is a flag (shared/serving/settings.py)."""
+
+    host: str = dataclasses.field(default="127.0.0.1", metadata=setting("address to bind"))
+    port: int = dataclasses.field(default=0, metadata=setting("gRPC port (0 = any free)"))
+    metrics_port: int | None = dataclasses.field(default=None, metadata=setting(
+        "Prometheus port (0 = any free; off if unset)"
+    ))
+    otlp_endpoint: str | None = dataclasses.field(default=None, metadata=setting(
+        "OTLP/gRPC trace endpoint, e.g. http://127.0.0.1:4317"
+    ))
+    otel_sampling_ratio: float | None = dataclasses.field(default=None, metadata=setting(
+        "trace sampling ratio in [0, 1]"
+    ))
+    kv_port_range: str = dataclasses.field(default=DEFAULT_KV_PORT_RANGE, metadata=setting(
+        "LOW-HIGH: the TCP ports the NIXL/UCX KV transfer listens on", type=parse_port_range
+    ))
+    grace_seconds: float = dataclasses.field(default=ServerOptions.grace_seconds, metadata=setting(
+        "on SIGTERM: how long requests in flight (and KV held for a peer) may take to finish"
+    ))
+
+
 def add_pod_flags(parser: argparse.ArgumentParser, *, default_port: int, role: KVRole | None) -> None:
-    """The server flags every pod has, then one flag per PodConfig setting of the pod's role."""
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument(
-        "--port", type=int, default=default_port, help=f"gRPC port (0 = any free; default {default_port})"
-    )
-    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = any free; off if unset)")
-    parser.add_argument("--otlp-endpoint", default=None, help="OTLP/gRPC trace endpoint, e.g. http://127.0.0.1:4317")
-    parser.add_argument("--otel-sampling-ratio", type=float, default=None, help="trace sampling ratio in [0, 1]")
-    parser.add_argument("--kv-port-range", type=parse_port_range, default=DEFAULT_KV_PORT_RANGE,
-                        help=f"LOW-HIGH: the TCP ports the NIXL/UCX KV transfer listens on (default {DEFAULT_KV_PORT_RANGE})")
-    parser.add_argument(
-        "--grace-seconds", type=float, default=ServerOptions.grace_seconds,
-        help="on SIGTERM: how long requests in flight (and KV held for a peer) may take to finish",
-    )
+    """The server flags every pod has (its own port the default), then one flag per PodConfig setting of
+    the pod's role."""
+    add_flags(parser, PodServerConfig, defaults={"port": default_port})
     other_roles = {KVRole.PRODUCER: CONSUMER_SETTINGS, KVRole.CONSUMER: PRODUCER_SETTINGS}
     add_flags(parser, PodConfig, exclude=other_roles.get(role, PRODUCER_SETTINGS + CONSUMER_SETTINGS))
     if role is not None:
@@ -77,16 +98,9 @@ def pod_config_from_args(args: argparse.Namespace) -> PodConfig:
     return config
 
 
-def parse_port_range(value: str) -> str:
-    """'LOW-HIGH' with 1024 <= LOW <= HIGH <= 65535 (argparse type)."""
-    low, separator, high = value.partition("-")
-    if not (separator and low.isdigit() and high.isdigit() and 1024 <= int(low) <= int(high) <= 65535):
-        raise argparse.ArgumentTypeError(f"expected LOW-HIGH with 1024 <= LOW <= HIGH <= 65535, got {value!r}")
-    return value
-
-
 async def refresh_gauges(pod: Pod, metrics: ServiceMetrics) -> None:
-    num_lease_expiries = num_queried = num_hit = 0
+    num_lease_expiries = num_queried = num_hit = num_steps = num_tokens = 0
+    busy_s = 0.0
     while True:
         if pod.connector is not None:
             # The connector counts on the engine thread; the counter catches up here.
@@ -98,6 +112,10 @@ async def refresh_gauges(pod: Pod, metrics: ServiceMetrics) -> None:
         metrics.prefix_cache_queried_tokens.inc(queried - num_queried)
         metrics.prefix_cache_hit_tokens.inc(hit - num_hit)
         num_queried, num_hit = queried, hit
+        metrics.engine_steps.inc(counters.num_compute_steps - num_steps)
+        metrics.engine_tokens.inc(counters.num_scheduled_tokens - num_tokens)
+        metrics.engine_busy_seconds.inc(counters.busy_s - busy_s)
+        num_steps, num_tokens, busy_s = counters.num_compute_steps, counters.num_scheduled_tokens, counters.busy_s
         load = pod.load_report()
         metrics.set_queue(num_waiting=load.num_waiting, num_running=load.num_running)
         metrics.set_kv_blocks(
@@ -229,10 +247,11 @@ async def run_pod(
     NOT_SERVING, refuse new work, let requests in flight finish (grace period), stop the pod.
     http: an HTTP front served beside the gRPC server (from the start; it answers 503 while loading).
     api_token: the bearer token the public API (a colocated pod's Generate) requires, if any."""
+    server_config = config_from_args(PodServerConfig, args)
     closers = contextlib.AsyncExitStack()
-    tracing = start_tracing(args, env, service_name, closers)
-    server = pod_grpc_server(args, pod_config.tls, tracing, services, api_token)
-    set_kv_transport_env(args.kv_port_range, uses_cuda=pod_config.device.startswith("cuda"))
+    tracing = start_tracing(server_config, env, service_name, closers)
+    server = pod_grpc_server(server_config, pod_config.tls, tracing, services, api_token)
+    set_kv_transport_env(server_config.kv_port_range, uses_cuda=pod_config.device.startswith("cuda"))
     if http is not None:
         closers.push_async_callback(http.stop)
 
@@ -241,12 +260,13 @@ async def run_pod(
         if http is not None:
             await http.start()
             announce(f"{service_name} OpenAI-compatible HTTP API at {http.url}/v1")
-        pod = await load_pod(role, advertised(pod_config, role, args.host, port), args.kv_port_range, tracing)
+        pod = await load_pod(role, advertised(pod_config, role, server_config.host, port), server_config.kv_port_range,
+                             tracing)
         server.on_shutdown(functools.partial(shut_down, pod, server, services, http))
         for _, servicer, _ in services:
             servicer.attach(pod)
         metrics = services[0][1].metrics  # the pod's metrics: its first service's
-        metrics_server = start_metrics(args, metrics, closers)
+        metrics_server = start_metrics(server_config, metrics, closers)
         watch(pod, server, metrics, closers)
         await server.set_serving(True)
         lines = [f"{service_name} listening on {server.address} (engine {pod.engine_id})"]
@@ -258,14 +278,14 @@ async def run_pod(
 
 
 def start_tracing(
-    args: argparse.Namespace, env: Mapping[str, str], service_name: str, closers: contextlib.AsyncExitStack
+    server_config: PodServerConfig, env: Mapping[str, str], service_name: str, closers: contextlib.AsyncExitStack
 ) -> Tracing:
     tracing = setup_tracing(
         TracingConfig.from_flags_and_env(
             env,
             default_service_name=f"pdserve-{service_name}",
-            otlp_endpoint=args.otlp_endpoint,
-            sampling_ratio=args.otel_sampling_ratio,
+            otlp_endpoint=server_config.otlp_endpoint,
+            sampling_ratio=server_config.otel_sampling_ratio,
         )
     )
     closers.callback(tracing.shutdown)
@@ -273,7 +293,7 @@ def start_tracing(
 
 
 def pod_grpc_server(
-    args: argparse.Namespace, tls: TlsConfig, tracing: Tracing,
+    server_config: PodServerConfig, tls: TlsConfig, tracing: Tracing,
     services: Sequence[tuple[Callable, PodServicer, str]], api_token: str | None,
 ) -> GrpcServer:
     """The pod's gRPC server with its services registered; they trace with the pod's tracing."""
@@ -283,7 +303,8 @@ def pod_grpc_server(
     if api_token is not None:
         interceptors.append(BearerTokenInterceptor(api_token))
     server = GrpcServer(
-        ServerOptions(host=args.host, port=args.port, grace_seconds=args.grace_seconds, tls=tls),
+        ServerOptions(host=server_config.host, port=server_config.port, grace_seconds=server_config.grace_seconds,
+                      tls=tls),
         interceptors=interceptors,
     )
     for add_to_server, servicer, name in services:
@@ -357,12 +378,12 @@ async def shut_down(
 
 
 def start_metrics(
-    args: argparse.Namespace, metrics: ServiceMetrics, closers: contextlib.AsyncExitStack
+    server_config: PodServerConfig, metrics: ServiceMetrics, closers: contextlib.AsyncExitStack
 ) -> MetricsServer | None:
     """The Prometheus endpoint, when --metrics-port is set."""
-    if args.metrics_port is None:
+    if server_config.metrics_port is None:
         return None
-    metrics_server = start_metrics_server(metrics.registry, args.host, args.metrics_port)
+    metrics_server = start_metrics_server(metrics.registry, server_config.host, server_config.metrics_port)
     closers.callback(metrics_server.stop)
     return metrics_server
 

@@ -50,9 +50,12 @@ def _inner_setting(help_or_setting: str | dict[str, Any]) -> _Setting:
     return help_or_setting[_KEY]
 
 
-def add_flags(parser: argparse.ArgumentParser, config_class: type, *, exclude: tuple[str, ...] = ()) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser, config_class: type, *, exclude: tuple[str, ...] = (),
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
     """One flag per setting field of config_class (and of the engine configs it holds), except the
-    fields named in exclude."""
+    fields named in exclude. defaults: a service's own default for a field (its port), over the field's."""
     for field, hint in _setting_fields(config_class):
         if field.name in exclude:
             continue
@@ -67,7 +70,7 @@ def add_flags(parser: argparse.ArgumentParser, config_class: type, *, exclude: t
                 _add_flag(parser, name, inner_hints[name], getattr(inner_default, name), inner_spec)
         else:
             default = field.default if field.default is not dataclasses.MISSING else None
-            _add_flag(parser, field.name, hint, default, spec)
+            _add_flag(parser, field.name, hint, (defaults or {}).get(field.name, default), spec)
 
 
 def config_from_args(config_class: type, args: argparse.Namespace, **overrides: Any):
