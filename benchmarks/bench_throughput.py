@@ -45,6 +45,20 @@ def run_once(engine: LLMEngine, seed: int) -> float:
     return num_tokens / elapsed
 
 
+def offline_engine(model: str, dtype: str, threads: int | None = None, *, max_num_batched_tokens: int = 8192,
+                   block_size: int = 16, seed: int = 0, device: str = "cpu") -> LLMEngine:
+    """The engine this workload runs on: room for every request at once (one prefill step of all the
+    prompts at the default token budget, then one decode step per output token)."""
+    blocks_per_request = -(-(PROMPT_LEN + OUTPUT_LEN) // block_size)
+    return LLMEngine(
+        model,
+        SchedulerConfig(max_num_seqs=NUM_REQUESTS, max_num_batched_tokens=max_num_batched_tokens,
+                        max_model_len=PROMPT_LEN + OUTPUT_LEN + 16),
+        CacheConfig(block_size=block_size, num_blocks=NUM_REQUESTS * blocks_per_request + 64),
+        dtype=dtype, seed=seed, device=device, num_threads=threads,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "100m"], help="built-in presets or HF dirs")
@@ -61,14 +75,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; workload: "
           f"{NUM_REQUESTS} requests x {PROMPT_LEN} prompt tokens -> {OUTPUT_LEN} output tokens, greedy, ignore_eos")
     for model in args.models:
-        blocks_per_request = -(-(PROMPT_LEN + OUTPUT_LEN) // args.block_size)
-        engine = LLMEngine(
-            model,
-            SchedulerConfig(max_num_seqs=NUM_REQUESTS, max_num_batched_tokens=args.max_num_batched_tokens,
-                            max_model_len=PROMPT_LEN + OUTPUT_LEN + 16),
-            CacheConfig(block_size=args.block_size, num_blocks=NUM_REQUESTS * blocks_per_request + 64),
-            dtype=args.dtype, seed=args.seed, device=args.device,
-        )
+        engine = offline_engine(model, args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+                                block_size=args.block_size, seed=args.seed, device=args.device)
         run_once(engine, seed=10_000)  # warm-up: allocator, thread pool, kernel selection
         results = []
         for run in range(args.runs):

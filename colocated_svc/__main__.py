@@ -1,5 +1,5 @@
 """Composition root of the colocated server: `python -m colocated_svc --port 50061 --model tiny`.
-Flags are the pods' shared flags (shared/serving/pod_server.py), --tokenizer for text prompts and the
+Flags are the pods' shared flags (shared/serving/pod/flags.py), --tokenizer for text prompts and the
 HTTP front's (--http-port)."""
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from shared.serving.http_server import HttpServer
 from shared.serving.openai.app import HttpFront
 from shared.serving.openai.config import HttpConfig
 from shared.serving.metrics import ServiceMetrics
-from shared.serving.pod_server import add_pod_flags, pod_config_from_args, run_pod
+from shared.serving.pod.flags import add_pod_flags, pod_config_from_args
+from shared.serving.pod.serve import run_pod
 from shared.serving.settings import add_flags, config_from_args
 from shared.serving.text import TextCodec
 from shared.serving.tls import TlsConfig

@@ -13,7 +13,7 @@ P90_WAIT_FACTOR = 1.15
 MIN_UTILISATION = 0.05
 MAX_UTILISATION = 0.9
 # A latency over target shrinks the estimate by this factor per interval; one well under it lets it recover.
-SHRINK, RECOVER = 0.85, 1.05
+SHRINK, RECOVER = 0.85, 1.15
 MIN_CORRECTION = 0.25
 RIDGE = 1e-3  # the prior's pull, relative to the data's own weight
 

@@ -72,14 +72,17 @@ class Planner:
         self._learn_request_shape(sample)
         self.prefill_capacity.update(sample.prefill, sample.interval_s, sample.ttft_p90_s, policy.ttft_target_s)
         self.decode_capacity.update(sample.decode, sample.interval_s, policy.itl_target_s)
-        forecasts = {tier: self.forecasters[tier].update(rate, sample.interval_s)
-                     for tier, rate in self._demand(sample).items()}
+        demand = self._demand(sample)
+        forecasts = {tier: self.forecasters[tier].update(rate, sample.interval_s) for tier, rate in demand.items()}
         capacities = {
             PREFILL: self.prefill_capacity.at_target(self.mean_prompt_tokens or 0.0, policy.ttft_target_s),
             DECODE: self.decode_capacity.at_target(policy.itl_target_s, policy.itl_margin),
         }
-        needs = {tier: self._need(tier, sample, forecasts[tier], capacities[tier]) for tier in TIERS}
-        choices = {tier: self._choose(tier, needs[tier], now_s) for tier in TIERS}
+        # Up on what arrives now or is forecast, whichever is more; down on the smoothed forecast only.
+        needs = {tier: self._need(tier, sample, max(forecasts[tier].value, demand[tier]), capacities[tier])
+                 for tier in TIERS}
+        calm = {tier: self._need(tier, sample, forecasts[tier].value, capacities[tier]) for tier in TIERS}
+        choices = {tier: self._choose(tier, needs[tier], calm[tier], now_s) for tier in TIERS}
         choices = self._fit_budget(choices, needs)
         decisions = {}
         for tier in TIERS:
@@ -107,23 +110,24 @@ class Planner:
         offered = sample.num_arrivals / interval * (self.mean_output_tokens or 0.0)
         return {PREFILL: sample.num_prompt_tokens / interval, DECODE: max(offered, sample.decode.num_tokens / interval)}
 
-    def _need(self, tier: str, sample: Sample, forecast: Forecast, capacity: Capacity | None) -> float | None:
+    def _need(self, tier: str, sample: Sample, rate: float, capacity: Capacity | None) -> float | None:
         if capacity is None or capacity.tokens_per_s <= 0:
             return None
         if tier == PREFILL:
-            # Prompts already queued must drain within one horizon, on top of the forecast.
-            backlog = sample.prefill.num_waiting * (self.mean_prompt_tokens or 0.0) / max(self.policy.horizon_s, 1.0)
-            return (forecast.value + backlog) / capacity.tokens_per_s
+            # Prompts already queued must drain within one horizon, on top of the demand.
+            prompt = max(self.mean_prompt_tokens or 0.0, sample.num_prompt_tokens / max(sample.num_arrivals, 1))
+            backlog = sample.prefill.num_waiting * prompt / max(self.policy.horizon_s, 1.0)
+            return (rate + backlog) / capacity.tokens_per_s
         found = self.decode_capacity.batch_at_target(self.policy.itl_target_s * self.policy.itl_margin)
         batch = found[0] if found else 1.0
-        return forecast.value / capacity.tokens_per_s + sample.decode.num_waiting / batch
+        return rate / capacity.tokens_per_s + sample.decode.num_waiting / batch
 
-    def _choose(self, tier: str, need: float | None, now_s: float) -> tuple[int, Reason]:
+    def _choose(self, tier: str, need: float | None, calm_need: float | None, now_s: float) -> tuple[int, Reason]:
         current = self.current[tier]
-        if need is None:
+        if need is None or calm_need is None:
             return current, Reason.LEARNING
         up = math.ceil(need - 1e-9)
-        down = math.ceil(need / (1.0 - self.policy.scale_down_margin) - 1e-9)
+        down = math.ceil(max(need, calm_need) / (1.0 - self.policy.scale_down_margin) - 1e-9)
         if up > current:
             desired, reason = up, Reason.SCALE_UP
         elif down < current:

@@ -17,8 +17,8 @@ from shared.serving import convert, wire
 from shared.engine.kv_transfer.handle import KvHandle
 from shared.engine.kv_transfer.handoff import HoldForPeer
 from shared.serving.metrics import ServiceMetrics
-from shared.serving.outcomes import InvalidRequest, PodUnavailable, invalid_on_value_error
-from shared.serving.pod_server import PodServicer
+from shared.serving.pod.outcomes import InvalidRequest, PodUnavailable, invalid_on_value_error
+from shared.serving.pod.servicer import PodServicer
 from shared.engine.request import FinishReason, Request
 from shared.serving.telemetry import SpanAttr
 

@@ -74,14 +74,14 @@ async def run(
     http = http_front(config, servicer, codec, registry, api_token, tracing,
                       is_ready=lambda: prefill.has_healthy and decode.has_healthy)
     if http is not None:
-        server.on_shutdown(http.stop)  # before the drain: no new HTTP requests while the others finish
+        server.drain_beside(http.stop)  # one drain: HTTP stops accepting and drains with the gRPC calls
         closers.push_async_callback(http.stop)
     server.on_shutdown(servicer.drain)
 
     async def start() -> list[str]:
         await server.start()
         if http is not None:
-            await http.start()
+            await http.start(server.drain)
         await prefill.start()
         await decode.start()
         await update_health()

@@ -46,6 +46,7 @@ class _Worker:
     overloaded_until: float | None = None  # monotonic time a refusal's retry hint runs out
     probe_problem: str | None = None  # why the last probe found it unhealthy (logged when it changes)
     num_slow_probes: int = 0  # consecutive probes that timed out
+    last_heard: float = float("-inf")  # monotonic time a request call last got a message from it
 
 
 class WorkerPool:
@@ -244,6 +245,48 @@ class WorkerPool:
         a request of it may go without tokens for a while."""
         worker = self._workers.get(address)
         return worker is not None and worker.load is not None and worker.load.num_waiting > 0
+
+    async def admits(self, address: str) -> bool:
+        """A fresh probe of one worker (health, then load) within the probe timeout: whether it serves and is
+        not overloaded now. A worker that does not answer SERVING in time (frozen since its last periodic
+        probe, when a few slow probes still keep it in rotation) is out of rotation until a periodic probe
+        finds it serving again; an overloaded one counts as such until its next load report."""
+        worker = self._workers.get(address)
+        if worker is None:
+            return False
+        timeout = self.config.probe_timeout_s
+        try:
+            health = await worker.health_stub.Check(health_pb2.HealthCheckRequest(service=self.service_name),
+                                                    timeout=timeout)
+            if health.status == health_pb2.HealthCheckResponse.SERVING:
+                return await self._admits_by_load(worker)
+            problem = f"health says {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}"
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._heard_lately(worker):
+                return True  # slow to answer, but streaming to this router: busy, not frozen
+            problem = f"admission probe failed: {exc.code().name}"
+        self._note_problem(worker, problem, logging.WARNING)
+        self.mark_unavailable(address)
+        return False
+
+    def note_heard(self, address: str) -> None:
+        """A request call just got a message from the worker: it is alive, whatever its probes say."""
+        worker = self._workers.get(address)
+        if worker is not None:
+            worker.last_heard = time.monotonic()
+
+    def _heard_lately(self, worker: _Worker) -> bool:
+        return time.monotonic() - worker.last_heard < self.config.probe_timeout_s
+
+    async def _admits_by_load(self, worker: _Worker) -> bool:
+        """Whether a serving worker's fresh load report says it takes a new request. A busy pod may answer
+        its load late: it is alive (it answered its health check), so only a report saying overloaded counts."""
+        try:
+            response = await worker.probe_stub.GetLoad(common_pb2.GetLoadRequest(), timeout=self.config.probe_timeout_s)
+        except grpc.aio.AioRpcError:
+            return True
+        worker.load = convert.load_report_from_proto(response.load)
+        return not worker.load.is_overloaded
 
     def mark_unavailable(self, address: str) -> None:
         """A call failed with UNAVAILABLE: stop picking it until a probe says it is back."""

@@ -38,6 +38,9 @@ if [[ ${#missing[@]} -gt 0 ]]; then
     say "installing ${missing[*]}"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
+# The pods' clients and the manifests' renderer are the project's own: its venv's Python (.ci/run's).
+python3 -c 'import grpc, openai, yaml, pdserve' 2>/dev/null \
+    || { echo "image_check.sh: run it from the project's venv (pip install -e '.[test]')" >&2; exit 1; }
 rm -rf "$work" && mkdir -p "$work"
 
 # ---- 1. the base, from Debian's packages -------------------------------------------------------------

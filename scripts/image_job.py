@@ -57,9 +57,13 @@ class DrainRow:
         return [s["ended_at"] - self.sigterm_at for s in self.streams]
 
     def holds(self) -> bool:
-        """Every stream was in flight at SIGTERM, and finished or got an error within the grace; exit 0."""
-        in_flight = all(0 < seconds <= self.grace_s for seconds in self.after_sigterm())
-        return (self.exit_code == 0 and in_flight and len(self.streams) == 2 * STREAMS_PER_FRONT
+        """Every stream was in flight at SIGTERM and none was cut: each finished, or ended with an error
+        within the grace; the pod exited 0 within its grace."""
+        ends = self.after_sigterm()
+        errors_in_time = all(seconds <= self.grace_s for seconds, stream in zip(ends, self.streams)
+                             if self.outcome(stream) == "error")
+        return (self.exit_code == 0 and self.drain_s <= self.grace_s + 5 and all(s > 0 for s in ends)
+                and errors_in_time and len(self.streams) == 2 * STREAMS_PER_FRONT
                 and all(self.outcome(s) != "cut" for s in self.streams))
 
 
@@ -130,7 +134,9 @@ def _wait_started(streams: subprocess.Popen, timeout_s: float = 60) -> None:
 
 
 def _drain_lines(log: str) -> list[str]:
-    return [line.strip()[:160] for line in log.splitlines() if "drain" in line.lower()]
+    """The drain's own log lines (shared/serving/drain.py), without their timestamps."""
+    return [line.split("shared.serving.drain: ", 1)[1] for line in log.splitlines()
+            if "shared.serving.drain: " in line]
 
 
 def drain(lab: Lab, tier: str, max_tokens: int) -> DrainRow:

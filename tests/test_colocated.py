@@ -15,7 +15,7 @@ from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.serving.grpc_server import GrpcServer, ServerOptions
 from shared.serving.metrics import ServiceMetrics
-from shared.serving.pod_runtime import Pod, PodConfig, serving_cache_config
+from shared.serving.pod.runtime import Pod, PodConfig, serving_cache_config
 from shared.engine.request import FinishReason, SamplingParams
 
 pytestmark = pytest.mark.e2e

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from shared.serving.cpu_limit import cgroup_cpu_limit, default_num_threads
-from shared.serving.pod_server import parse_port_range
+from shared.serving.pod.flags import parse_port_range
 
 
 def test_cgroup_v2_quota(tmp_path: Path) -> None:

@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from shared.engine.kv_transfer.connector import KVConnectorBase, KVRole
+from shared.engine.kv_transfer.connector import KVConnectorBase, KVLoadFailurePolicy, KVRole
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.serving.engine_thread import EngineLoop, EngineStopped
-from shared.serving.outcomes import DuplicateRequestId, InvalidRequest
+from shared.serving.pod.engine_thread import EngineLoop, EngineStopped
+from shared.serving.pod.outcomes import DuplicateRequestId, InvalidRequest
 from shared.engine.request import Request, SamplingParams, StructuredOutputSpec
 
 
@@ -87,7 +87,7 @@ class _CountingConnector(KVConnectorBase):
     """A producer with no holds, counting the idle progress calls (a NIXL agent's UCX progress)."""
 
     def __init__(self):
-        super().__init__(KVRole.PRODUCER)
+        super().__init__(KVRole.PRODUCER, KVLoadFailurePolicy.RECOMPUTE)
         self.num_idle_progress = 0
 
     def progress_while_idle(self) -> None:

@@ -22,7 +22,7 @@ from shared.serving.http_server import HttpServer
 from shared.serving.openai.app import HttpFront
 from shared.serving.openai.config import COMPLETIONS_PATH, HttpConfig
 from shared.serving.metrics import ServiceMetrics
-from shared.serving.pod_runtime import Pod, PodConfig, serving_cache_config
+from shared.serving.pod.runtime import Pod, PodConfig, serving_cache_config
 from shared.serving.telemetry import Tracing, TracingConfig, setup_tracing
 from shared.serving.text import TextCodec
 from tests.otlp_receiver import OtlpReceiver, children_of

@@ -47,13 +47,18 @@ def _agent() -> KvTransferAgent:
     return KvTransferAgent(KvTransferAgent.unique_name("test"))
 
 
-def _producer(clock: Clock, **kwargs) -> NixlProducer:
+# The pods' own defaults (PodConfig) are not the connectors': each test names what it runs with.
+RECOMPUTE = KVLoadFailurePolicy.RECOMPUTE
+
+
+def _producer(clock: Clock, *, lease_s: float = 30.0, **kwargs) -> NixlProducer:
     return NixlProducer(engine_id="kv_producer-1", layout=LAYOUT, agent=_agent(), clock=clock,
-                        source_address="127.0.0.1:1", **kwargs)
+                        source_address="127.0.0.1:1", lease_s=lease_s, load_failure_policy=RECOMPUTE, **kwargs)
 
 
-def _consumer(clock: Clock) -> NixlConsumer:
-    return NixlConsumer(engine_id="kv_consumer-1", layout=LAYOUT, agent=_agent(), clock=clock)
+def _consumer(clock: Clock, **kwargs) -> NixlConsumer:
+    return NixlConsumer(engine_id="kv_consumer-1", layout=LAYOUT, agent=_agent(), clock=clock,
+                        load_failure_policy=RECOMPUTE, **kwargs)
 
 
 def _finished_prefill(status: RequestStatus, num_prompt_tokens: int = 40, do_remote_decode: bool = True) -> Request:
@@ -148,7 +153,7 @@ def test_consumer_with_the_whole_prompt_cached_reads_nothing(clock):
 
 
 def test_the_base_contract_means_nothing_to_transfer():
-    connector = KVConnectorBase(KVRole.BOTH)
+    connector = KVConnectorBase(KVRole.BOTH, RECOMPUTE)
     request = _finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED)
     assert connector.load_failure_policy is KVLoadFailurePolicy.RECOMPUTE
     assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
@@ -229,7 +234,8 @@ def test_an_abort_after_the_step_that_made_the_hold_frees_the_blocks_at_once():
     from shared.engine.llm_engine import LLMEngine
     from shared.engine.sched_config import CacheConfig, SchedulerConfig
 
-    connector = NixlProducer(engine_id="kv_producer-1", layout=LAYOUT, agent=_agent(), lease_s=600.0)
+    connector = NixlProducer(engine_id="kv_producer-1", layout=LAYOUT, agent=_agent(), lease_s=600.0,
+                             load_failure_policy=RECOMPUTE)
     engine = LLMEngine("tiny", SchedulerConfig(max_model_len=512), CacheConfig(block_size=16, num_blocks=64),
                        connector=connector)
     engine.add_request(Request("r1", list(range(3, 43)), SamplingParams(max_tokens=1),
@@ -281,7 +287,7 @@ def test_consumer_refuses_a_tampered_handle_before_reading(clock, field, value):
     signer = HandleSigner(KEY)
     producer = _producer(clock, lease_s=5.0, signer=signer)
     _, handle = producer.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [1, 2, 3])
-    consumer = NixlConsumer(engine_id="kv_consumer-1", layout=LAYOUT, agent=_agent(), clock=clock, signer=signer)
+    consumer = _consumer(clock, signer=signer)
     consumer.check_handle(handle, PROMPT_DIGEST)  # the honest handle passes
     with pytest.raises(KvHandleNotAuthentic):
         consumer.check_handle(dataclasses.replace(handle, **{field: value}), PROMPT_DIGEST)
@@ -291,7 +297,7 @@ def test_consumer_refuses_an_authentic_handle_for_another_prompt(clock):
     signer = HandleSigner(KEY)
     producer = _producer(clock, lease_s=5.0, signer=signer)
     _, handle = producer.request_finished(_finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED), [1, 2, 3])
-    consumer = NixlConsumer(engine_id="kv_consumer-1", layout=LAYOUT, agent=_agent(), clock=clock, signer=signer)
+    consumer = _consumer(clock, signer=signer)
     with pytest.raises(KvHandleOtherPrompt):
         consumer.check_handle(handle, prompt_digest(list(range(4, 44)), LAYOUT.block_size))
 

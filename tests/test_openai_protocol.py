@@ -20,7 +20,7 @@ from shared.engine.request import (
 from shared.serving.openai import messages, objects, protocol as oai
 from shared.serving.openai.chat import CHAT_FIELDS
 from shared.serving.chat_template import ChatTemplate, ChatTemplateError
-from shared.serving.outcomes import InvalidRequest
+from shared.serving.pod.outcomes import InvalidRequest
 from shared.serving.text import TextCodec
 
 # Every preset ships a tokenizer but the large ones (token ids only).
@@ -347,7 +347,7 @@ def test_logit_bias_names_what_is_wrong():
 def test_a_retry_hint_becomes_http_retry_after_in_whole_seconds():
     from shared.serving.generation import CallEnded
     from shared.serving.openai.errors import ended_error as _ended_error
-    from shared.serving.outcomes import RETRY_AFTER_KEY
+    from shared.serving.pod.outcomes import RETRY_AFTER_KEY
     import grpc
 
     answer = _ended_error(CallEnded(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", ((RETRY_AFTER_KEY, "1500"),)))

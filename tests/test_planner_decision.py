@@ -3,6 +3,7 @@ report, the demand forecast, and the replica choice with hysteresis, cooldown, b
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -169,3 +170,16 @@ def test_policy_refuses_inconsistent_bounds_by_name():
         ScalingPolicy(max_pods=1)
     with pytest.raises(ValueError, match="itl_target_s"):
         ScalingPolicy(itl_target_s=0)
+
+
+def test_a_sudden_rise_is_covered_in_the_next_decision():
+    planner = Planner(POLICY, num_prefill=1, num_decode=1)
+    steady(planner, 5_000, 10, 300, num_intervals=8)
+    assert planner.current["prefill"] == 1
+    # Prompt tokens jump fourfold: one interval later the count covers at least the new rate (the smoothed
+    # level alone is still far below it).
+    jumped = steady(planner, 20_000, 10, 300, num_intervals=1, start_s=100.0)
+    assert jumped.prefill.reason is Reason.SCALE_UP
+    assert jumped.prefill.need >= 20_000 / jumped.prefill.capacity.tokens_per_s
+    assert jumped.prefill.desired == math.ceil(jumped.prefill.need) >= 3
+    assert jumped.prefill.forecast.level < 20_000

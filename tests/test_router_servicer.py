@@ -16,11 +16,15 @@ from pdserve.client import AsyncPdserveClient, PdserveClient
 from proto.pdserve.v1 import common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc
 from proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from router.flags import PoolConfig, RouterConfig, WorkerSpec, parse_worker_spec
+from router.metrics import RouterMetrics
 from router.servicer import RouterServicer
+from prometheus_client import CollectorRegistry
+from shared.serving.generation import GenerateInput
+from shared.engine.request import SamplingParams
 from shared.serving.text import TextCodec
 from router.workers import WorkerPool, resolve_dns
 from shared.serving import convert, wire
-from shared.serving.outcomes import RETRY_AFTER_KEY
+from shared.serving.pod.outcomes import RETRY_AFTER_KEY
 from shared.serving.grpc_server import GrpcServer, ServerOptions
 from shared.serving.prefill_client import PrefillClient
 from shared.engine.model.generation_config import GenerationDefaults
@@ -173,10 +177,11 @@ class Cluster:
     """Fake pods + the router servicer on a real gRPC server, all on 127.0.0.1."""
 
     def __init__(self, prefills, decodes, *, policy="round-robin", codec=None, decode_serving=True,
-                 request_timeout_s=None, tracer=None,
+                 request_timeout_s=None, tracer=None, metrics=None,
                  pool_config=PoolConfig(health_interval_s=30, resolve_interval_s=30, probe_timeout_s=2),
                  **router_settings):
         self.prefills, self.decodes, self.request_timeout_s = prefills, decodes, request_timeout_s
+        self.metrics = metrics
         self.pool_config = pool_config
         self.tracer = tracer
         self.policy, self.codec, self.decode_serving = policy, codec, decode_serving
@@ -200,7 +205,7 @@ class Cluster:
                                      request_timeout_s=self.request_timeout_s, pool=pool_config,
                                      **self.router_settings)
         self.servicer = RouterServicer(self.prefill_pool, self.decode_pool, router_config,
-                                       codec=self.codec, tracer=self.tracer)
+                                       codec=self.codec, tracer=self.tracer, metrics=self.metrics)
         self.router = GrpcServer(ServerOptions(port=0, grace_seconds=0))
         self.router.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, self.servicer,
                                 "pdserve.v1.GenerateService")
@@ -469,6 +474,27 @@ def test_cancel_right_after_token_one_releases_the_hold():
         assert len(prefill.released) == 1
 
     run(scenario())
+
+
+def test_a_caller_that_closes_the_stream_at_token_one_counts_as_cancelled():
+    """A client gone while token 1 is written leaves the call's generator closed at its yield (the HTTP front
+    closes it the same way): that is a cancellation, not an error."""
+    async def scenario():
+        metrics = RouterMetrics(CollectorRegistry())
+        prefill = FakePrefill()
+        async with Cluster([prefill], [FakeDecode(freeze_after=0)], metrics=metrics) as cluster:
+            chunks = cluster.servicer.generate(GenerateInput([2], SamplingParams(max_tokens=100)))
+            first = await anext(chunks)
+            await chunks.aclose()
+            for _ in range(100):
+                if prefill.released:
+                    break
+                await asyncio.sleep(0.01)
+        assert first.token_ids == expected_output([2], 1)
+        assert len(prefill.released) == 1
+        return {outcome: metrics.requests.labels(outcome=outcome)._value.get() for outcome in ("cancelled", "error")}
+
+    assert run(scenario()) == {"cancelled": 1, "error": 0}
 
 
 def test_more_completions_than_a_tier_ever_admits_is_invalid_argument():

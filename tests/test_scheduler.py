@@ -775,8 +775,7 @@ def test_scheduler_eos_default_and_stats():
 
 
 def test_config_validation():
-    from shared.engine.sched_config import CacheConfig, KVTransferConfig, SchedulerConfig
-    from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
+    from shared.engine.sched_config import CacheConfig, SchedulerConfig
 
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerConfig(max_num_seqs=0)
@@ -790,12 +789,4 @@ def test_config_validation():
         CacheConfig(block_size=0)
     with pytest.raises(ValueError, match="num_blocks"):
         CacheConfig(num_blocks=1)
-    with pytest.raises(ValueError, match="kv_role"):
-        KVTransferConfig(kv_role="kv_sideways")
-    with pytest.raises(ValueError, match="kv_load_failure_policy"):
-        KVTransferConfig(kv_load_failure_policy="retry")
-    with pytest.raises(ValueError, match="kv_lease_s"):
-        KVTransferConfig(kv_lease_s=0)
-    config = KVTransferConfig(kv_role="kv_consumer", kv_load_failure_policy="fail")
-    assert config.kv_role is KVRole.CONSUMER and config.kv_load_failure_policy is KVLoadFailurePolicy.FAIL
     assert SchedulerConfig(max_num_batched_tokens=512).encoder_budget == 512

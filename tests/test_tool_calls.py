@@ -7,9 +7,9 @@ import random
 import jsonschema
 import pytest
 
-from shared.serving.outcomes import InvalidRequest
 from shared.serving.openai.messages import chat_messages
 from shared.serving.openai.tool_calls import ToolCallParser, ToolChoice, tool_request
+from shared.serving.pod.outcomes import InvalidRequest
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",

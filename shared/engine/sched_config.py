@@ -1,13 +1,11 @@
-"""Frozen, validated engine configuration: scheduler, KV cache and KV transfer.
+"""Frozen, validated engine configuration: scheduler and KV cache.
 
 Construction validates every field and raises ValueError naming the field; the model's own
 architecture config lives in shared/engine/model/model_config.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
+from dataclasses import dataclass
 
 
 def _require_int(name: str, value, minimum: int) -> None:
@@ -86,39 +84,3 @@ class CacheConfig:
         _require_int("num_blocks", self.num_blocks, 2)
         if not isinstance(self.prefix_hash_seed, str):
             raise ValueError(f"prefix_hash_seed must be a string, got {self.prefix_hash_seed!r}")
-
-
-@dataclass(frozen=True)
-class KVTransferConfig:
-    """Which connector an engine uses and in which role."""
-
-    kv_connector: str = "nixl"
-    kv_role: KVRole = KVRole.BOTH
-    kv_load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.RECOMPUTE
-    engine_id: str = "engine-0"
-    # How long a producer keeps blocks for a peer that has not pulled them (seconds).
-    kv_lease_s: float = 30.0
-    kv_connector_extra_config: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "kv_role", KVRole(self.kv_role))
-        except ValueError:
-            raise ValueError(
-                f"kv_role must be one of {[r.value for r in KVRole]}, got {self.kv_role!r}"
-            ) from None
-        try:
-            object.__setattr__(
-                self, "kv_load_failure_policy", KVLoadFailurePolicy(self.kv_load_failure_policy)
-            )
-        except ValueError:
-            raise ValueError(
-                f"kv_load_failure_policy must be one of {[p.value for p in KVLoadFailurePolicy]}, "
-                f"got {self.kv_load_failure_policy!r}"
-            ) from None
-        if not self.kv_connector:
-            raise ValueError("kv_connector must name a connector")
-        if not self.engine_id:
-            raise ValueError("engine_id must not be empty")
-        if not self.kv_lease_s > 0:
-            raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")

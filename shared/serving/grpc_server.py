@@ -8,7 +8,6 @@ deadline, and the start / announce / wait / stop sequence every composition root
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import signal
@@ -20,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from shared.serving.drain import Drain, DrainInterceptor
 from shared.serving.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
@@ -248,6 +248,8 @@ class GrpcServer:
         self._stopped = False
         self._shutdown_deadline: float | None = None
         self._on_shutdown: list[Callable[[], Any]] = []
+        self._drained_beside: list[Callable[[float], Awaitable[None]]] = []
+        self.drain = Drain()  # the calls in flight on this process's fronts (an HTTP front shares it)
 
     def add_service(
         self, add_to_server: Callable[[Any, grpc.aio.Server], None], servicer: Any, service_name: str
@@ -261,6 +263,11 @@ class GrpcServer:
     def on_shutdown(self, callback: Callable[[], Any]) -> None:
         """Runs (awaited if a coroutine) after health flips to NOT_SERVING and before the server stops."""
         self._on_shutdown.append(callback)
+
+    def drain_beside(self, stop: Callable[[float], Awaitable[None]]) -> None:
+        """Another front (HTTP) that drains together with this one: stop(grace seconds) is started as the
+        drain begins (it stops accepting and waits for its calls in flight) and awaited with the RPCs."""
+        self._drained_beside.append(stop)
 
     @property
     def service_names(self) -> list[str]:
@@ -285,7 +292,7 @@ class GrpcServer:
         if self._server is not None:
             raise RuntimeError("server already started")
         server = grpc.aio.server(
-            interceptors=[*self.interceptors, ErrorMappingInterceptor()],
+            interceptors=[DrainInterceptor(self.drain), *self.interceptors, ErrorMappingInterceptor()],
             options=self.options.grpc_options,
             maximum_concurrent_rpcs=self.options.max_concurrent_rpcs,
         )
@@ -341,22 +348,27 @@ class GrpcServer:
 
     async def stop(self, grace_seconds: float | None = None) -> None:
         """Graceful shutdown within one deadline: readiness NOT_SERVING first (so balancers drain), owner
-        callbacks (which may wait, see shutdown_seconds_left()), then in-flight RPCs get what is left.
-        Liveness stays SERVING until the server stops: a draining process still works."""
+        callbacks (which may wait, see shutdown_seconds_left()), then in-flight RPCs, and whatever drains
+        beside them (drain_beside: the HTTP front), get what is left, together. Calls still running just
+        before the deadline end with an error (shared/serving/drain.py). Liveness stays SERVING until the
+        server stops: a draining process still works."""
         if self._stopped or self._server is None:
             return
         grace = self.options.grace_seconds if grace_seconds is None else grace_seconds
         self._shutdown_deadline = time.monotonic() + grace
         await self.set_serving(False)
         self._stopped = True
-        for callback in self._on_shutdown:
-            try:
-                result = callback()
-                if inspect.isawaitable(result):
-                    await result
-            except Exception:  # noqa: BLE001 - shutdown must go on
-                logger.exception("shutdown callback failed")
-        await self._server.stop(self.shutdown_seconds_left())
+        async with self.drain.draining(grace, self._shutdown_deadline):
+            # The other fronts stop accepting now and drain their calls in flight while the callbacks run.
+            beside = [asyncio.ensure_future(stop(grace)) for stop in self._drained_beside]
+            for callback in self._on_shutdown:
+                try:
+                    result = callback()
+                    if inspect.isawaitable(result):
+                        await result
+                except Exception:  # noqa: BLE001 - shutdown must go on
+                    logger.exception("shutdown callback failed")
+            await asyncio.gather(self._server.stop(self.shutdown_seconds_left()), *beside)
         await self._health.enter_graceful_shutdown()
         self._stop_requested.set()
 
@@ -370,32 +382,5 @@ class GrpcServer:
         await self.stop()
 
 
-# ---- the end of every composition root --------------------------------------------------------
-
-
-def announce(line: str) -> None:
-    """Prints what the process serves where. Flushed: the launcher's logs, tests and operators read stdout
-    as it comes (tests read the address from "<name> listening on HOST:PORT ...", printed once it serves)."""
-    print(line, flush=True)
-
-
-async def serve_until_stopped(
-    server: GrpcServer, start: Callable[[], Awaitable[Sequence[str]]], closers: contextlib.AsyncExitStack
-) -> None:
-    """Runs `start` (bind the server, start what serves beside it, flip readiness) and announces the lines
-    it returns; serves until SIGTERM/SIGINT or request_stop(); then stops gracefully (readiness
-    NOT_SERVING, the on_shutdown callbacks, in-flight RPCs within the grace period) and closes what
-    `closers` holds, the last registered first. The stop and the closing also run when `start` fails."""
-    try:
-        try:
-            lines = await start()
-        except ValueError as exc:  # a setting or the checkpoint was refused: the message names it
-            logger.debug("start-up refused", exc_info=True)
-            logger.error("cannot start: %s", exc)
-            raise SystemExit(1) from None
-        for line in lines:
-            announce(line)
-        await server.serve_forever()
-    finally:
-        await server.stop()
-        await closers.aclose()
+# The end of every composition root, kept importable from here.
+from shared.serving.serve_loop import announce, serve_until_stopped  # noqa: E402,F401

@@ -10,6 +10,7 @@ from typing import Any
 
 import uvicorn
 
+from shared.serving.drain import Drain, DrainMiddleware
 from shared.serving.tls import TlsConfig
 
 
@@ -56,9 +57,11 @@ class HttpServer:
         scheme = "https" if self._tls_options else "http"
         return f"{scheme}://{host}:{self.port}"
 
-    async def start(self) -> None:
-        config = uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5, **self._tls_options)
+    async def start(self, drain: Drain | None = None) -> None:
+        """Serves; with drain (the gRPC server's), its requests in flight are counted and ended at the
+        drain's deadline with the gRPC server's calls (shared/serving/drain.py)."""
+        app = self._app if drain is None else DrainMiddleware(self._app, drain)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", **self._tls_options)
         self._server = _Uvicorn(config)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[self._socket]))
         while not self._server.started:
@@ -67,9 +70,11 @@ class HttpServer:
                 raise OSError(f"the HTTP server on {self.url} stopped while starting")
             await asyncio.sleep(0.01)
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stops accepting at once; requests in flight get grace_s to finish (the drain ends them first)."""
         if self._server is None or self._task is None:
             return
+        self._server.config.timeout_graceful_shutdown = grace_s
         self._server.should_exit = True
         await self._task
         self._server = None

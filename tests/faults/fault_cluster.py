@@ -131,6 +131,15 @@ class FaultCluster:
                 values[key] = float(value)
         return values
 
+    def counter(self, name: str, metric: str, **labels: str) -> float:
+        """One labelled sample of the service's metrics (0 when absent)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.members[name].metrics_url, timeout=5) as answer:
+            text = answer.read().decode()
+        return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                   if sample.name == metric and all(sample.labels.get(k) == v for k, v in labels.items()))
+
     def blocks_in_use(self) -> dict[str, int]:
         """Per pod: KV blocks used plus blocks held for a peer (both 0 when nothing leaked)."""
         out = {}

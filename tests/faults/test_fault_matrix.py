@@ -100,6 +100,24 @@ async def decode_sigstop(cluster, load):
     return True
 
 
+async def decode_frozen_still_in_rotation(cluster, load):
+    """Frozen just before the requests come, while its slow probes still keep it in rotation: each
+    request's decode pod is confirmed by a fresh probe before token 1 goes out, so no request gets token 1
+    and then fails over (or fails) on the frozen pod."""
+    retries = _router_decode_retries(cluster)
+    # Idle pods tie on cost and load: the router picks the lowest address, so that is the one frozen, and
+    # the requests go one after another (each would pick it again while it is still in rotation).
+    frozen = min(DECODE, key=cluster.address)
+    cluster.send(frozen, signal.SIGSTOP)
+    try:
+        for shot in _short(24):
+            await load.start([shot])
+    finally:
+        cluster.send(frozen, signal.SIGCONT)
+    assert _router_decode_retries(cluster) == retries, "a request met the frozen decode pod after token 1"
+    return True
+
+
 async def lease_expiry_under_load(cluster, load):
     before = _lease_expiries(cluster)
     # A frozen router pulls nothing: the holds of the prompts computing now outlive their lease.
@@ -116,7 +134,18 @@ async def cancel_in_prefill(cluster, load):
 
 
 async def cancel_at_token1(cluster, load):
-    await load.start(_long(64, cancel_after_tokens=1))
+    """Also: the router counts each such call as cancelled, not as an error."""
+    errors, cancels = _router_outcome(cluster, "error"), _router_outcome(cluster, "cancelled")
+    shots = _long(64, cancel_after_tokens=1)
+    await load.start(shots)
+    num_cancelled = sum(result.code == grpc.StatusCode.CANCELLED for result in load.results)
+    for _ in range(50):  # the router ends its side of a cancelled call a moment after the client
+        if _router_outcome(cluster, "cancelled") - cancels >= num_cancelled:
+            break
+        await asyncio.sleep(0.1)
+    assert num_cancelled > 0
+    assert _router_outcome(cluster, "cancelled") - cancels == num_cancelled
+    assert _router_outcome(cluster, "error") == errors
     return False
 
 
@@ -159,6 +188,14 @@ async def decode_sigterm_drain(cluster, load):
     return True
 
 
+def _router_outcome(cluster, outcome: str) -> float:
+    return cluster.counter("router", "pdserve_router_requests_total", outcome=outcome)
+
+
+def _router_decode_retries(cluster) -> float:
+    return cluster.counter("router", "pdserve_router_retries_total", tier="decode")
+
+
 def _lease_expiries(cluster) -> float:
     return sum(cluster.gauges(name).get("pdserve_lease_expiries_total", 0.0) for name in PREFILL)
 
@@ -179,6 +216,7 @@ SCENARIOS = [
     (deadline_midstream, ANY),
     (prefill_sigkill_after_token1_before_pull, ("router", *PREFILL)),
     (decode_sigstop, ("router", *DECODE)),
+    (decode_frozen_still_in_rotation, ("router", *DECODE)),
     (router_restart, ANY),
     (prefill_sigstop, ("router", *PREFILL)),
     (lease_expiry_under_load, ALL),

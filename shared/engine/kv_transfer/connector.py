@@ -40,7 +40,8 @@ class KVConnectorMetadata:
 class KVConnectorBase:
     """Both sides of a connector. Method names follow vLLM v1 so the spec's mocks apply unchanged."""
 
-    def __init__(self, role: KVRole, load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.RECOMPUTE):
+    def __init__(self, role: KVRole, load_failure_policy: KVLoadFailurePolicy):
+        """load_failure_policy: the pod's setting (PodConfig.kv_load_failure_policy), its one default."""
         self.role = KVRole(role)
         # What the scheduler does with a request whose loaded KV turned out bad.
         self.load_failure_policy = KVLoadFailurePolicy(load_failure_policy)

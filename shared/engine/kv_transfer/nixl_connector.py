@@ -28,7 +28,7 @@ class NixlConnector(KVConnectorBase):
         engine_id: str,
         layout: KvLayout,
         agent: KvTransferAgent,
-        load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.RECOMPUTE,
+        load_failure_policy: KVLoadFailurePolicy,
         clock: Callable[[], float] = time.time,
         signer: HandleSigner = HandleSigner(None),
     ):

@@ -30,7 +30,8 @@ class _Hold:
 class NixlProducer(NixlConnector):
     """Holds prompts' blocks for decode pods. release() and release_all() may run on any thread."""
 
-    def __init__(self, *, source_address: str = "", lease_s: float = 30.0, **kwargs):
+    def __init__(self, *, lease_s: float, source_address: str = "", **kwargs):
+        """lease_s: the pod's setting (PodConfig.lease_s), its one default."""
         super().__init__(KVRole.PRODUCER, **kwargs)
         self.source_address = source_address
         self.lease_s = lease_s

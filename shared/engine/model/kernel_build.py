@@ -24,7 +24,7 @@ PREBUILT_MODULE = "_paged_decode_C"
 CSRC = Path(__file__).parent / "csrc"
 # Separate files so a build compiles the instruction-set copies of the kernel in parallel.
 SOURCE_NAMES = ("paged_decode_op.cpp", "paged_decode_avx512.cpp", "paged_decode_avx2.cpp",
-                "paged_decode_generic.cpp")
+                "paged_decode_generic.cpp", "fused_ops.cpp")
 # -O3 and OpenMP only. The sources build AVX-512, AVX2 and generic copies of the kernel and pick one at run
 # time, so no -march flag ties a build to the CPU that compiled it. Without -fopenmp, at::parallel_for
 # (inlined from torch's headers) would run serially; with it, it runs on torch's own OpenMP pool, since the

@@ -14,6 +14,7 @@ from torch import nn
 from shared.engine.model.attention import AttentionMetadata, OutputRows, paged_attention, write_kv
 from shared.engine.model.model_config import ModelArchConfig
 from shared.engine.model.linear import Linear, linear, pack_weight
+from shared.engine.model.fused_ops import add_rms_norm, apply_rope, rms_norm_reference, rotate  # noqa: F401
 
 
 def rope_inverse_frequencies(config: ModelArchConfig) -> torch.Tensor:
@@ -60,17 +61,6 @@ class RotaryEmbedding(nn.Module):
         return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1), without building rotate_half:
-    the same products and sums in the same order (a + (-b) is a - b exactly), so bit-identical to
-    transformers, with two fewer activation-sized temporaries."""
-    half = x.shape[-1] // 2
-    out = x * cos
-    out[..., :half] -= x[..., half:] * sin[..., :half]
-    out[..., half:] += x[..., :half] * sin[..., half:]
-    return out
-
-
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device | str = "cpu"):
         super().__init__()
@@ -79,10 +69,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 whatever the storage dtype, as the reference implementation does.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm_reference(x, self.weight, self.eps)
+
+    def add(self, residual: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + delta, its norm) in one pass where the fused op applies (residual updated in place)."""
+        return add_rms_norm(residual, delta, self.weight, self.eps)
 
 
 def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
@@ -122,15 +113,19 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                keep: OutputRows | None = None) -> torch.Tensor:
-        """keep: compute the layer's output only for these rows (K and V still for every row)."""
+                keep: OutputRows | None = None,
+                pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (hidden, the MLP's output still to be added to it): the next norm adds it in the same
+        pass. pending: the previous layer's such output. keep: compute the layer's output only for these
+        rows (K and V still for every row)."""
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(hidden))
+        hidden, normed = self.input_layernorm.add(hidden, pending)
+        qkv = self.qkv_proj(normed)
         # Rotate q and k heads together: one set of elementwise ops instead of two.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
-        qk = apply_rope(qk, cos, sin)
+        qk = rotate(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
@@ -140,13 +135,13 @@ class DecoderLayer(nn.Module):
             meta = keep.meta
             num_tokens = hidden.shape[0]
         attn = paged_attention(q, k, v, key_cache, value_cache, meta, self.scale, self.sliding_window)
-        hidden = hidden + self.o_proj(attn.view(num_tokens, self.q_size))
-        gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))
+        hidden, normed = self.post_attention_layernorm.add(hidden, self.o_proj(attn.view(num_tokens, self.q_size)))
+        gate_up = self.gate_up_proj(normed)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         # gate is a strided half of gate_up: silu writes a new contiguous tensor, which the down
         # projection's matmul then takes as is (an in-place silu kept the stride and cost a copy there).
         activated = F.silu(gate).mul_(up)
-        return hidden + self.down_proj(activated)
+        return hidden, self.down_proj(activated)
 
 
 class LlamaModel(nn.Module):
@@ -172,7 +167,7 @@ class LlamaModel(nn.Module):
 
     def pack_weights(self) -> None:
         """Reorder every linear weight (and the LM head) once for the CPU matmul library; call after
-        loading and moving the model. A no-op where the packed path does not apply (CUDA, bfloat16)."""
+        loading and moving the model. A no-op where the packed path does not apply (CUDA, no oneDNN)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
@@ -190,9 +185,10 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
         last = len(self.layers) - 1
+        pending = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            hidden = layer(hidden, cos, sin, kv_cache, meta, output_rows if i == last else None)
-        return self.norm(hidden)
+            hidden, pending = layer(hidden, cos, sin, kv_cache, meta, output_rows if i == last else None, pending)
+        return self.norm.add(hidden, pending)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows (only the rows that sample or need prompt logprobs)."""

@@ -17,7 +17,7 @@ from shared.serving.openai.state import FrontState
 from shared.serving.openai.messages import ChatTemplateOptions, chat_messages, chat_template_options
 from shared.serving.openai.tool_calls import ToolRequest, tool_request
 from shared.serving.chat_template import ChatTemplateError
-from shared.serving.outcomes import InvalidRequest
+from shared.serving.pod.outcomes import InvalidRequest
 
 # Enough of a chat prompt's end to see whether its template opened the model's thinking.
 _PROMPT_TAIL_TOKENS = 16

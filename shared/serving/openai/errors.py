@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from shared.serving.generation import CallEnded
-from shared.serving.outcomes import InvalidRequest
+from shared.serving.pod.outcomes import InvalidRequest
 
 # How an ended call's status shows over HTTP: (HTTP status, OpenAI error type).
 _HTTP_OF_CODE = {

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.serving.openai.protocol import boolean, shortened
-from shared.serving.outcomes import InvalidRequest
+from shared.serving.pod.outcomes import InvalidRequest
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # The text part types vLLM takes, and the field holding each one's text.

@@ -15,7 +15,7 @@ from shared.serving.openai.errors import invalid
 from shared.serving.openai.state import FrontState
 from shared.serving.openai.messages import chat_messages, chat_template_options
 from shared.serving.openai.tool_calls import tool_request
-from shared.serving.outcomes import InvalidRequest
+from shared.serving.pod.outcomes import InvalidRequest
 from shared.serving.text import TextCodec, encode_text
 
 

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from shared.engine.request import MAX_LOGPROBS, MODEL_DEFAULT_FIELDS, SamplingParams, StructuredOutputSpec
 from shared.serving.convert import UINT32_MAX
 from shared.serving.generation import GenerateInput
-from shared.serving.outcomes import InvalidRequest
+from shared.serving.pod.outcomes import InvalidRequest
 
 # OpenAI's default (the domain default is greedy; an OpenAI client that sends no temperature expects 1),
 # where the model's generation_config.json sets no temperature either.

@@ -11,7 +11,7 @@ import uuid
 from typing import Any
 
 from shared.serving.openai.protocol import INFORMATIONAL_FIELDS, SAMPLING_FIELDS, UNSUPPORTED_FIELDS, boolean
-from shared.serving.outcomes import InvalidRequest
+from shared.serving.pod.outcomes import InvalidRequest
 
 # Responses fields this server does not honour, with the value that asks for nothing.
 _UNSUPPORTED = {

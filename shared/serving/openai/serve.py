@@ -15,7 +15,7 @@ from shared.serving.openai.choices import Choices, ParsedRequest
 from shared.serving.openai.errors import SERVER_ERROR, ended_error, error, invalid
 from shared.serving.openai.state import FrontState
 from shared.serving.openai.streaming import EVENT_STREAM, chunk_events, collect, unless_disconnected
-from shared.serving.outcomes import InvalidRequest, invalid_on_value_error
+from shared.serving.pod.outcomes import InvalidRequest, invalid_on_value_error
 
 # An endpoint's reading of its body: the generation inputs (one per prompt) and what the answer needs.
 Parse = Callable[[FrontState, dict[str, Any]], tuple[list[GenerateInput], ParsedRequest]]

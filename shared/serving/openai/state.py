@@ -18,7 +18,7 @@ from shared.serving.api_auth import bearer_matches
 from shared.serving.generation import Generate
 from shared.serving.openai.config import HttpConfig
 from shared.serving.openai.errors import error, invalid
-from shared.serving.outcomes import InvalidRequest
+from shared.serving.pod.outcomes import InvalidRequest
 from shared.serving.text import TextCodec
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.engine.request import StructuredOutputSpec
-from shared.serving.outcomes import InvalidRequest
+from shared.serving.pod.outcomes import InvalidRequest
 from shared.serving.text import tag_start_at_end
 
 # OpenAI's rule for function names.

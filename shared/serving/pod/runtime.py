@@ -4,6 +4,7 @@ engine loop thread, admission limits and the load report. Both tiers build one; 
 from __future__ import annotations
 
 import json
+import math
 import logging
 import uuid
 import dataclasses
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.serving.wire import LoadReport, PrefillKvSource
 from shared.engine.llm_engine import LLMEngine
-from shared.serving.engine_thread import EngineLoop, RequestStream
+from shared.serving.pod.engine_thread import EngineLoop, RequestStream
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
 from shared.engine.kv_transfer.handle import KvLayout
 from shared.engine.kv_transfer.handle_signing import HandleSigner
@@ -25,7 +26,7 @@ from shared.engine.model.generation_config import (
 )
 from shared.engine.model.loader import DTYPE_AUTO, DTYPE_CHOICES, load_model
 from shared.engine.request import Request, SamplingParams
-from shared.serving.outcomes import InvalidRequest, PodOverloaded, prompt_too_long
+from shared.serving.pod.outcomes import InvalidRequest, PodOverloaded, prompt_too_long
 from shared.serving.settings import engine_settings, setting, settings_group
 from shared.serving.tls import TlsConfig
 
@@ -95,6 +96,12 @@ class PodConfig:
         "requests in flight (running and queued) beyond which new ones get RESOURCE_EXHAUSTED with a "
         "retry hint"
     ))
+    max_queue_time_s: float | None = field(default=None, metadata=setting(
+        "seconds a new request may be predicted to wait for its turn (from the queue ahead and the service time "
+        "the engine measured) before it gets RESOURCE_EXHAUSTED with a retry hint; a decode pod refuses only "
+        "requests with no token out yet, and reports the rest as overload (off when unset)",
+        flag="--max-queue-time",
+    ))
     lease_s: float = field(default=30.0, metadata=setting(
         "seconds a prompt's KV is held for its pull (prefill)"
     ))
@@ -142,6 +149,8 @@ class PodConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+        if self.max_queue_time_s is not None and not self.max_queue_time_s > 0:
+            raise ValueError(f"max_queue_time_s must be > 0, got {self.max_queue_time_s}")
 
 
 def resolved_max_model_len(config: "PodConfig", model_limit: int) -> int:
@@ -253,7 +262,32 @@ class Pod:
                 f"{self.loop.num_in_flight} requests in flight (limit {self.config.max_requests_in_flight})",
                 retry_after_ms=OVERLOAD_RETRY_AFTER_MS,
             )
+        if request.num_prior_output_tokens == 0:  # a continuation's first token is out: it is queued, not refused
+            self._check_queue_time()
         return self.loop.submit(request)
+
+    def predicted_wait_s(self) -> float:
+        """How long one more request would wait for its turn here now."""
+        return self.loop.wait_predictor.predicted_wait_s(self.loop.num_in_flight)
+
+    def _check_queue_time(self) -> None:
+        """PodOverloaded when a new request's predicted wait is past --max-queue-time; the hint is the excess."""
+        limit_s = self.config.max_queue_time_s
+        if limit_s is None:
+            return
+        wait_s = self.predicted_wait_s()
+        if wait_s > limit_s:
+            raise PodOverloaded(f"predicted wait {wait_s:.2f} s for {self.loop.num_in_flight} requests in flight "
+                                f"(--max-queue-time {limit_s:g} s)",
+                                retry_after_ms=max(1, math.ceil((wait_s - limit_s) * 1000)))
+
+    @property
+    def is_overloaded(self) -> bool:
+        """Whether a new request would be refused now (load reports say so: the router then picks elsewhere)."""
+        if self.loop.num_in_flight >= self.config.max_requests_in_flight:
+            return True
+        limit_s = self.config.max_queue_time_s
+        return limit_s is not None and self.predicted_wait_s() > limit_s
 
     def load_report(self) -> LoadReport:
         usage = self.engine.kv_usage()
@@ -263,7 +297,7 @@ class Pod:
             num_free_blocks=usage.num_free_blocks,
             num_total_blocks=usage.num_total_blocks,
             num_held_blocks=self.connector.num_held_blocks if self.connector else 0,
-            is_overloaded=self.loop.num_in_flight >= self.config.max_requests_in_flight,
+            is_overloaded=self.is_overloaded,
             max_model_len=self.max_model_len,
             max_requests_in_flight=self.config.max_requests_in_flight,
         )

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from shared.engine.request import DuplicateRequestError, RequestStatus
-from shared.serving.outcomes import DuplicateRequestId, InvalidRequest, PodUnavailable
+from shared.serving.pod.outcomes import DuplicateRequestId, InvalidRequest, PodUnavailable
+from shared.serving.queue_time import WaitPredictor
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ class EngineLoop:
         self._unstarted: dict[str, tuple[Any, RequestTimeline]] = {}
         self._timelines: dict[str, RequestTimeline] = {}
         self._stopping = False
+        # Fed by every step that computed something; the pod predicts queueing waits from it.
+        self.wait_predictor = WaitPredictor()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
@@ -234,6 +237,9 @@ class EngineLoop:
     def _step(self) -> None:
         started_ns = time.time_ns()
         outputs = self.engine.step()
+        if outputs:
+            num_finished = sum(1 for output in outputs if output.finished)
+            self.wait_predictor.observe_step((time.time_ns() - started_ns) / 1e9, num_finished)
         self._observe(started_ns, outputs)
         if outputs:
             self._loop.call_soon_threadsafe(self._deliver, outputs)

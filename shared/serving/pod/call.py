@@ -12,15 +12,15 @@ import grpc
 from opentelemetry import trace
 
 from shared.engine.request import FinishReason, Request
-from shared.serving.engine_thread import RequestStream
+from shared.serving.pod.engine_thread import RequestStream
 from shared.serving.generation import CallEnded
-from shared.serving.outcomes import (
+from shared.serving.pod.outcomes import (
     CANCELLED, ERROR, OK, RETRY_AFTER_KEY, CallError, PodOverloaded, outcome_of_code, status_of,
 )
 from shared.serving.telemetry import SpanAttr
 
 if TYPE_CHECKING:
-    from shared.serving.pod_server import PodServicer
+    from shared.serving.pod.servicer import PodServicer
 
 logger = logging.getLogger(__name__)
 

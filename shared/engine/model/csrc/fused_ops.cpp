@@ -1,0 +1,136 @@
+// Fused elementwise steps of the decoder layer, registered as torch operators pdserve_fused::add_rms_norm
+// and pdserve_fused::rope_: each replaces a chain of torch ops (one pass over the rows instead of one per
+// op, no temporaries) with bit-identical results; rows run on torch's intra-op thread pool.
+#pragma GCC optimize("fp-contract=off")  // a*b+c stays two roundings, as torch's separate ops round
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace pdserve {
+
+struct NormParams {
+  void* residual;  // [rows, hidden] rows residual_stride apart: the input, updated in place with delta
+  int64_t residual_stride;
+  const void* delta;  // null, or [rows, hidden] rows delta_stride apart, added to residual first
+  int64_t delta_stride;
+  const void* weight;  // [hidden]
+  void* out;           // [rows, hidden] contiguous
+  int64_t hidden;
+  float eps;
+  bool is_bfloat16;
+};
+
+struct RopeParams {
+  void* x;  // [tokens, heads, head_dim], last dim contiguous
+  int64_t token_stride, head_stride, num_heads, head_dim;
+  const void* cos;  // [tokens, head_dim] rows cos_stride apart
+  int64_t cos_stride;
+  const void* sin;
+  int64_t sin_stride;
+  bool is_bfloat16;
+};
+
+#define FO_INLINE static inline __attribute__((always_inline))
+#define FO_MEMBER inline __attribute__((always_inline))
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FO_MULTI_TARGET 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c,bmi2")
+namespace avx512 {
+#include "fused_ops_kernel.h"
+}
+#pragma GCC pop_options
+#endif
+namespace generic {
+#include "fused_ops_kernel.h"
+}
+
+static bool use_avx512() {
+#ifdef FO_MULTI_TARGET
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+  }();
+  return supported;
+#else
+  return false;
+#endif
+}
+
+static void check_rows(const at::Tensor& t, const char* name, int64_t rows, int64_t hidden, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == rows && t.size(1) == hidden, name, " must be [", rows, ", ",
+                    hidden, "], got ", t.sizes());
+  TORCH_CHECK_VALUE(t.scalar_type() == dtype && t.device().is_cpu(), name, " must be a CPU ", dtype, " tensor");
+  TORCH_CHECK_VALUE(t.stride(1) == 1, name, " needs a contiguous last dimension");
+}
+
+// residual [rows, hidden] (+= delta in place when given); returns weight * normalised(residual).
+at::Tensor add_rms_norm(const at::Tensor& residual, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
+                        double eps) {
+  TORCH_CHECK_VALUE(residual.dim() == 2, "residual must be [rows, hidden], got ", residual.sizes());
+  const auto dtype = residual.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16, got ", dtype);
+  const int64_t rows = residual.size(0), hidden = residual.size(1);
+  check_rows(residual, "residual", rows, hidden, dtype);
+  if (delta.has_value()) check_rows(*delta, "delta", rows, hidden, dtype);
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == hidden && weight.is_contiguous() &&
+                        weight.scalar_type() == dtype, "weight must be a contiguous [", hidden, "] ", dtype, " tensor");
+  at::Tensor out = at::empty({rows, hidden}, residual.options().memory_format(at::MemoryFormat::Contiguous));
+  NormParams p{residual.data_ptr(), residual.stride(0), delta.has_value() ? delta->data_ptr() : nullptr,
+               delta.has_value() ? delta->stride(0) : 0, weight.data_ptr(), out.data_ptr(), hidden,
+               static_cast<float>(eps), dtype == at::kBFloat16};
+  const bool wide = use_avx512();
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(hidden, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+#ifdef FO_MULTI_TARGET
+    if (wide) return avx512::run_norm(p, begin, end);
+#endif
+    generic::run_norm(p, begin, end);
+  });
+  return out;
+}
+
+// x [tokens, heads, head_dim] rotated in place by cos/sin [tokens, head_dim].
+void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK_VALUE(x.dim() == 3 && x.stride(2) == 1, "x must be [tokens, heads, head_dim] with a contiguous "
+                    "last dimension, got ", x.sizes(), " strides ", x.strides());
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16, got ", dtype);
+  const int64_t tokens = x.size(0), head_dim = x.size(2);
+  TORCH_CHECK_VALUE(head_dim % 2 == 0, "head_dim must be even, got ", head_dim);
+  check_rows(cos, "cos", tokens, head_dim, dtype);
+  check_rows(sin, "sin", tokens, head_dim, dtype);
+  RopeParams p{x.data_ptr(), x.stride(0), x.stride(1), x.size(1), head_dim, cos.data_ptr(), cos.stride(0),
+               sin.data_ptr(), sin.stride(0), dtype == at::kBFloat16};
+  const bool wide = use_avx512();
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(x.size(1) * head_dim, 1));
+  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+#ifdef FO_MULTI_TARGET
+    if (wide) return avx512::run_rope(p, begin, end);
+#endif
+    generic::run_rope(p, begin, end);
+  });
+}
+
+}  // namespace pdserve
+
+TORCH_LIBRARY(pdserve_fused, m) {
+  m.def("add_rms_norm(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_fused, CPU, m) {
+  m.impl("add_rms_norm", &pdserve::add_rms_norm);
+  m.impl("rope_", &pdserve::rope_);
+}
