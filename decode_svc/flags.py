@@ -8,7 +8,7 @@ from shared.engine.kv_transfer.connector import KVRole
 from shared.serving.pod.runtime import PodConfig
 from shared.serving.pod.flags import add_pod_flags, pod_config_from_args
 from shared.serving.prefill_client import PrefillClientConfig
-from shared.serving.settings import add_flags, config_from_args
+from shared.serving.server.settings import add_flags, config_from_args
 
 DEFAULT_PORT = 50071
 

@@ -23,11 +23,11 @@ from shared.engine.kv_cache.hashing import prompt_digest
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy
 from shared.engine.kv_transfer.handle import KvHandleNotAuthentic, KvHandleOtherPrompt, KvPullOutcome, KvPullStats
 from shared.engine.kv_transfer.handoff import PullFromPeer
-from shared.serving.metrics import ServiceMetrics
+from shared.serving.server.metrics import ServiceMetrics
 from shared.serving.pod.call import PodCall
 from shared.serving.pod.servicer import PodServicer
 from shared.engine.request import FinishReason, Request
-from shared.serving.telemetry import SpanAttr
+from shared.serving.server.telemetry import SpanAttr
 
 from decode_svc.kv_sources import KvSourceCache, KvSourceUnavailable
 from decode_svc.transport_probe import TRANSPORT_NAMES

@@ -13,8 +13,8 @@ from colocated_svc.servicer import ColocatedServicer
 from proto.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.serving.grpc_server import GrpcServer, ServerOptions
-from shared.serving.metrics import ServiceMetrics
+from shared.serving.server.grpc_server import GrpcServer, ServerOptions
+from shared.serving.server.metrics import ServiceMetrics
 from shared.serving.pod.runtime import Pod, PodConfig, serving_cache_config
 from shared.engine.request import FinishReason, SamplingParams
 

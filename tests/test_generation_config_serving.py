@@ -26,9 +26,9 @@ from shared.engine.llm_engine import LLMEngine
 from shared.engine.model.loader import load_model, save_pretrained
 from shared.engine.request import FinishReason, SamplingParams
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
-from shared.serving.http_server import HttpServer
+from shared.serving.server.http_server import HttpServer
 from shared.serving.openai.app import HttpFront
-from shared.serving.metrics import ServiceMetrics
+from shared.serving.server.metrics import ServiceMetrics
 from shared.serving.pod.runtime import Pod, PodConfig
 from shared.serving.text import TextCodec
 

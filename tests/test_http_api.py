@@ -18,12 +18,12 @@ from colocated_svc.servicer import ColocatedServicer
 from shared.engine.request import MAX_LOGPROBS, MAX_N
 from shared.engine.request import FinishReason
 from shared.serving.generation import GenerateChunk
-from shared.serving.http_server import HttpServer
+from shared.serving.server.http_server import HttpServer
 from shared.serving.openai.app import HttpFront
 from shared.serving.openai.config import COMPLETIONS_PATH, HttpConfig
-from shared.serving.metrics import ServiceMetrics
+from shared.serving.server.metrics import ServiceMetrics
 from shared.serving.pod.runtime import Pod, PodConfig, serving_cache_config
-from shared.serving.telemetry import Tracing, TracingConfig, setup_tracing
+from shared.serving.server.telemetry import Tracing, TracingConfig, setup_tracing
 from shared.serving.text import TextCodec
 from tests.otlp_receiver import OtlpReceiver, children_of
 

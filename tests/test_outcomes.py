@@ -4,7 +4,7 @@ import grpc
 import pytest
 
 from shared.serving.pod.engine_thread import EngineStopped
-from shared.serving.metrics import ServiceMetrics
+from shared.serving.server.metrics import ServiceMetrics
 from shared.serving.pod.outcomes import (
     OUTCOMES, DuplicateRequestId, InvalidRequest, KvUnusable, PodOverloaded, PodUnavailable, STATUS_TABLE,
     invalid_on_value_error, outcome_of_code, status_of,

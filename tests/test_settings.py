@@ -10,11 +10,11 @@ from decode_svc.flags import build_arg_parser as decode_parser, pod_config as de
 from prefill_svc.flags import build_arg_parser as prefill_parser, pod_config as prefill_config
 from router.flags import RouterConfig, build_arg_parser as router_parser
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy
-from shared.serving.api_auth import ApiAuthConfig
-from shared.serving.handle_key import HandleKeyConfig
+from shared.serving.server.api_auth import ApiAuthConfig
+from shared.serving.server.handle_key import HandleKeyConfig
 from shared.serving.pod.runtime import PodConfig
-from shared.serving.settings import add_flags, config_from_args, setting
-from shared.serving.tls import TlsConfig
+from shared.serving.server.settings import add_flags, config_from_args, setting
+from shared.serving.server.tls import TlsConfig
 
 POD_FLAGS = [
     "--host", "--port", "--metrics-port", "--otlp-endpoint", "--otel-sampling-ratio", "--model", "--dtype", "--seed",

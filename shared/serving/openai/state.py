@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from starlette.requests import Request
 from starlette.responses import Response
 
-from shared.serving.api_auth import bearer_matches
+from shared.serving.server.api_auth import bearer_matches
 from shared.serving.generation import Generate
 from shared.serving.openai.config import HttpConfig
 from shared.serving.openai.errors import error, invalid

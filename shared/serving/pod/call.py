@@ -17,7 +17,7 @@ from shared.serving.generation import CallEnded
 from shared.serving.pod.outcomes import (
     CANCELLED, ERROR, OK, RETRY_AFTER_KEY, CallError, PodOverloaded, outcome_of_code, status_of,
 )
-from shared.serving.telemetry import SpanAttr
+from shared.serving.server.telemetry import SpanAttr
 
 if TYPE_CHECKING:
     from shared.serving.pod.servicer import PodServicer

@@ -6,11 +6,11 @@ import argparse
 import dataclasses
 
 from shared.engine.kv_transfer.connector import KVRole
-from shared.serving.grpc_server import ServerOptions
-from shared.serving.handle_key import add_handle_key_flags
-from shared.serving.cpu_limit import default_num_threads
+from shared.serving.server.grpc_server import ServerOptions
+from shared.serving.server.handle_key import add_handle_key_flags
+from shared.serving.server.cpu_limit import default_num_threads
 from shared.serving.pod.runtime import CONSUMER_SETTINGS, PRODUCER_SETTINGS, PodConfig
-from shared.serving.settings import add_flags, config_from_args, setting
+from shared.serving.server.settings import add_flags, config_from_args, setting
 
 # Where the KV data plane listens (UCX TCP, one port per network interface): declared in the manifests'
 # NetworkPolicies, so it must be a fixed range, not UCX's ephemeral default.
@@ -28,7 +28,7 @@ def parse_port_range(value: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class PodServerConfig:
     """A pod's server settings, beside PodConfig's engine side: where it listens, its metrics and traces,
-    its KV transfer ports and its drain. Each field is a flag (shared/serving/settings.py)."""
+    its KV transfer ports and its drain. Each field is a flag (shared/serving/server/settings.py)."""
 
     host: str = dataclasses.field(default="127.0.0.1", metadata=setting("address to bind"))
     port: int = dataclasses.field(default=0, metadata=setting("gRPC port (0 = any free)"))

@@ -15,16 +15,16 @@ from typing import Callable, Mapping, Sequence
 
 from shared.engine.kv_transfer.connector import KVRole
 from shared.engine.kv_transfer.transfer_agent import recommended_environment
-from shared.serving.api_auth import BearerTokenInterceptor
-from shared.serving.grpc_server import GrpcServer, ServerOptions, announce, serve_until_stopped
-from shared.serving.http_server import HttpServer
-from shared.serving.metrics import MetricsServer, ServiceMetrics, start_metrics_server
+from shared.serving.server.api_auth import BearerTokenInterceptor
+from shared.serving.server.grpc_server import GrpcServer, ServerOptions, announce, serve_until_stopped
+from shared.serving.server.http_server import HttpServer
+from shared.serving.server.metrics import MetricsServer, ServiceMetrics, start_metrics_server
 from shared.serving.pod.flags import PodServerConfig
 from shared.serving.pod.runtime import Pod, PodConfig
 from shared.serving.pod.servicer import PodServicer
-from shared.serving.settings import config_from_args
-from shared.serving.tls import TlsConfig
-from shared.serving.telemetry import DEFAULT_UNTRACED_METHOD_PREFIXES, Tracing, TracingConfig, setup_tracing
+from shared.serving.server.settings import config_from_args
+from shared.serving.server.tls import TlsConfig
+from shared.serving.server.telemetry import DEFAULT_UNTRACED_METHOD_PREFIXES, Tracing, TracingConfig, setup_tracing
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from shared.serving.pod.call import PodCall, call_ended
 from shared.serving.pod.engine_thread import RequestTimeline
 from shared.serving.pod.outcomes import CallError, PodUnavailable, status_of
 from shared.serving.pod.runtime import Pod
-from shared.serving.telemetry import SpanAttr, Tracing, TracingConfig, record_span
+from shared.serving.server.telemetry import SpanAttr, Tracing, TracingConfig, record_span
 
 
 class PodServicer:
