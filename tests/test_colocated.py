@@ -109,7 +109,7 @@ def test_invalid_input_gets_invalid_argument():
         (generate_pb2.GenerateRequest(), "prompt is missing"),
         (request([]), "prompt token_ids is empty"),
         (request([1, 2, 4096]), "out of vocabulary"),
-        (request(list(range(3, 3 + MAX_MODEL_LEN))), "maximum length"),
+        (request(list(range(3, 3 + MAX_MODEL_LEN))), "maximum context length"),
         (request([1, 2, 3], top_p=1.5), "top_p"),
         (request([1, 2, 3], max_tokens=0), "max_tokens"),
         (request(""), "prompt text is empty"),

@@ -32,7 +32,7 @@ async def serve(state: FrontState, request: Request, *, is_chat: bool, parse: Pa
         # Chat rendering and tokenizing a large prompt take long: off the event loop.
         inputs, parsed = await asyncio.to_thread(_parsed, parse, state, body)
     except InvalidRequest as exc:
-        return invalid(str(exc))
+        return invalid(exc)
     codec = state.codec()
     choices = Choices(is_chat, state.model_name, parsed, state.token_texts,
                       codec.token_bytes if codec is not None else None)

@@ -30,8 +30,9 @@ class PodCall:
     its status; anything else unexpected is logged and ends it with INTERNAL."""
 
     def __init__(self, servicer: "PodServicer", context: grpc.aio.ServicerContext | None, tier: str | None):
-        """context: the gRPC call's (None: work called in process, whose failures raise CallEnded); tier: name of the queue/compute spans recorded from the stream's timeline (None: the
-        servicer records its own spans)."""
+        """context: the gRPC call's (None: work called in process, whose failures raise CallEnded); tier:
+        name of the queue/compute spans recorded from the stream's timeline (None: the servicer records its
+        own spans)."""
         self.pod = servicer.pod
         self.context = context
         self._servicer = servicer

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
-from shared.serving.wire import LoadReport, PrefillKvSource
+from shared.serving.wire.payloads import LoadReport, PrefillKvSource
 from shared.engine.llm_engine import LLMEngine
 from shared.serving.pod.engine_thread import EngineLoop, RequestStream
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
