@@ -11,9 +11,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
-from shared.serving.wire import LoadReport, PrefillKvSource
+from shared.serving.wire.payloads import LoadReport, PrefillKvSource
 from shared.engine.llm_engine import LLMEngine
-from shared.serving.engine_thread import EngineLoop, RequestStream
+from shared.serving.pod.engine_thread import EngineLoop, RequestStream
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
 from shared.engine.kv_transfer.handle import KvLayout
 from shared.engine.kv_transfer.handle_signing import HandleSigner
@@ -26,9 +26,9 @@ from shared.engine.model.generation_config import (
 )
 from shared.engine.model.loader import DTYPE_AUTO, DTYPE_CHOICES, load_model
 from shared.engine.request import Request, SamplingParams
-from shared.serving.outcomes import InvalidRequest, PodOverloaded, prompt_too_long
-from shared.serving.settings import engine_settings, setting, settings_group
-from shared.serving.tls import TlsConfig
+from shared.serving.pod.outcomes import InvalidRequest, PodOverloaded, prompt_too_long
+from shared.serving.server.settings import engine_settings, setting, settings_group
+from shared.serving.server.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +56,14 @@ CONSUMER_SETTINGS = ("kv_load_failure_policy",)
 @dataclass(frozen=True)
 class PodConfig:
     """Settings of one pod: the engine configs it runs with, and the pod's own. Each field with
-    setting() metadata is a command-line flag (shared/serving/settings.py)."""
+    setting() metadata is a command-line flag (shared/serving/server/settings.py)."""
 
-    model: str = field(default="tiny", metadata=setting("built-in preset (tiny, 100m) or an HF model directory"))
+    model: str = field(default="tiny", metadata=setting(
+        "built-in preset (tiny, 100m: random weights; smollm2-135m: fetched at first use), an HF model "
+        "directory, or a GGUF file (or a directory holding one)"))
     dtype: str = field(default=DTYPE_AUTO, metadata=setting(
-        "model and KV dtype; auto: the checkpoint's dtype on a GPU, float32 on the CPU", choices=DTYPE_CHOICES
+        "model and KV dtype; auto: the checkpoint's dtype on a GPU; on the CPU bfloat16 where it has "
+        "AVX512-BF16 or AMX and the checkpoint is bfloat16, float16 or quantized, else float32", choices=DTYPE_CHOICES
     ))
     seed: int = field(default=0, metadata=setting(
         "seed of the built-in random weights (prefill and decode must agree)"
@@ -119,7 +122,7 @@ class PodConfig:
         "never replay decode steps as CUDA graphs (on cuda they are captured at start-up by default)"
     ))
     tls: TlsConfig = field(default_factory=TlsConfig, metadata=settings_group())
-    # Signs and checks KV handles (shared/serving/handle_key.py says where it comes from); None: unsigned.
+    # Signs and checks KV handles (shared/serving/server/handle_key.py says where it comes from); None: unsigned.
     kv_handle_key: bytes | None = field(default=None, repr=False)
 
     @property
