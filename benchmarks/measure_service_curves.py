@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shared.engine.llm_engine import LLMEngine  # noqa: E402
 from shared.engine.request import Request, SamplingParams  # noqa: E402
-from shared.serving.pod_runtime import serving_cache_config, serving_scheduler_config  # noqa: E402
+from shared.serving.pod.runtime import serving_cache_config, serving_scheduler_config  # noqa: E402
 
 PROMPT_TOKENS = (32, 64, 128, 256, 512, 1024, 1536, 2000)
 BATCHES = (1, 2, 4, 8, 16, 32, 48)

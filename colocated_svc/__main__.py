@@ -1,5 +1,5 @@
 """Composition root of the colocated server: `python -m colocated_svc --port 50061 --model tiny`.
-Flags are the pods' shared flags (shared/serving/pod_server.py), --tokenizer for text prompts and the
+Flags are the pods' shared flags (shared/serving/pod/flags.py), --tokenizer for text prompts and the
 HTTP front's (--http-port)."""
 from __future__ import annotations
 
@@ -11,15 +11,16 @@ import sys
 
 from colocated_svc.servicer import ColocatedServicer
 from proto.pdserve.v1 import generate_pb2_grpc
-from shared.serving.api_auth import ApiAuthConfig, log_token_requirement
-from shared.serving.http_server import HttpServer
+from shared.serving.server.api_auth import ApiAuthConfig, log_token_requirement
+from shared.serving.server.http_server import HttpServer
 from shared.serving.openai.app import HttpFront
 from shared.serving.openai.config import HttpConfig
-from shared.serving.metrics import ServiceMetrics
-from shared.serving.pod_server import add_pod_flags, pod_config_from_args, run_pod
-from shared.serving.settings import add_flags, config_from_args
+from shared.serving.server.metrics import ServiceMetrics
+from shared.serving.pod.flags import add_pod_flags, pod_config_from_args
+from shared.serving.pod.serve import run_pod
+from shared.serving.server.settings import add_flags, config_from_args
 from shared.serving.text import TextCodec
-from shared.serving.tls import TlsConfig
+from shared.serving.server.tls import TlsConfig
 
 SERVICE_NAME = "pdserve.v1.GenerateService"
 DEFAULT_PORT = 50061

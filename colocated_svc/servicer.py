@@ -13,12 +13,12 @@ from proto.pdserve.v1 import generate_pb2_grpc
 from shared.serving import convert, fan_out
 from shared.serving.generate_rpc import serve_generate
 from shared.serving.generation import GenerateChunk, GenerateInput, OnEnd, prompt_token_ids
-from shared.serving.metrics import ServiceMetrics
-from shared.serving.outcomes import CallError, InvalidRequest, PodUnavailable, invalid_on_value_error
-from shared.serving.pod_server import PodServicer
+from shared.serving.server.metrics import ServiceMetrics
+from shared.serving.pod.outcomes import CallError, InvalidRequest, PodUnavailable, invalid_on_value_error
+from shared.serving.pod.servicer import PodServicer
 from shared.engine.request import FinishReason, Request, SamplingParams
 from shared.serving.output_text import OutputText
-from shared.serving.telemetry import SpanAttr
+from shared.serving.server.telemetry import SpanAttr
 from shared.serving.text import TextStream, encode_text
 
 logger = logging.getLogger(__name__)

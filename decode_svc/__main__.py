@@ -12,10 +12,10 @@ from decode_svc.kv_sources import KvSourceCache
 from decode_svc.servicer import DecodeServicer
 from proto.pdserve.v1 import decode_pb2_grpc
 from shared.engine.kv_transfer.connector import KVRole
-from shared.serving.handle_key import handle_key_from_args
-from shared.serving.kv_events import kv_event_service
-from shared.serving.metrics import ServiceMetrics
-from shared.serving.pod_server import run_pod
+from shared.serving.server.handle_key import handle_key_from_args
+from shared.serving.pod.kv_events import kv_event_service
+from shared.serving.server.metrics import ServiceMetrics
+from shared.serving.pod.serve import run_pod
 
 SERVICE_NAME = "pdserve.v1.DecodeService"
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 
 from shared.engine.kv_transfer.connector import KVRole
-from shared.serving.pod_runtime import PodConfig
-from shared.serving.pod_server import add_pod_flags, pod_config_from_args
+from shared.serving.pod.runtime import PodConfig
+from shared.serving.pod.flags import add_pod_flags, pod_config_from_args
 from shared.serving.prefill_client import PrefillClientConfig
-from shared.serving.settings import add_flags, config_from_args
+from shared.serving.server.settings import add_flags, config_from_args
 
 DEFAULT_PORT = 50071
 

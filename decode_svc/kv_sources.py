@@ -12,9 +12,9 @@ from opentelemetry import context as otel_context
 
 from decode_svc.transport_probe import ProbeResult, TransportProbe, derive_transport
 from shared.engine.kv_transfer.handle import KvHandle, KvSource
-from shared.serving.grpc_server import SERVICE_CHANNEL_OPTIONS
+from shared.serving.server.grpc_server import SERVICE_CHANNEL_OPTIONS
 from shared.serving.prefill_client import PrefillClient, PrefillClientConfig
-from shared.serving.tls import TlsConfig
+from shared.serving.server.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
 

@@ -15,19 +15,19 @@ from opentelemetry import trace
 
 from proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from shared.serving import convert, wire
-from shared.serving.engine_thread import RequestStream
-from shared.serving.outcomes import (
+from shared.serving.pod.engine_thread import RequestStream
+from shared.serving.pod.outcomes import (
     HandleNotAuthentic, InvalidRequest, KvUnusable, PodUnavailable, invalid_on_value_error,
 )
 from shared.engine.kv_cache.hashing import prompt_digest
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy
 from shared.engine.kv_transfer.handle import KvHandleNotAuthentic, KvHandleOtherPrompt, KvPullOutcome, KvPullStats
 from shared.engine.kv_transfer.handoff import PullFromPeer
-from shared.serving.metrics import ServiceMetrics
-from shared.serving.pod_call import PodCall
-from shared.serving.pod_server import PodServicer
+from shared.serving.server.metrics import ServiceMetrics
+from shared.serving.pod.call import PodCall
+from shared.serving.pod.servicer import PodServicer
 from shared.engine.request import FinishReason, Request
-from shared.serving.telemetry import SpanAttr
+from shared.serving.server.telemetry import SpanAttr
 
 from decode_svc.kv_sources import KvSourceCache, KvSourceUnavailable
 from decode_svc.transport_probe import TRANSPORT_NAMES

@@ -11,7 +11,7 @@ from typing import AsyncIterator, Sequence
 import aiohttp
 
 from shared.engine.request import FinishReason
-from shared.serving.tls import TlsConfig
+from shared.serving.server.tls import TlsConfig
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT,
            "error": FinishReason.ERROR}

@@ -19,8 +19,8 @@ import grpc
 
 from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
 from shared.serving import convert
-from shared.serving.api_auth import bearer_metadata
-from shared.serving.tls import TlsConfig
+from shared.serving.server.api_auth import bearer_metadata
+from shared.serving.server.tls import TlsConfig
 from shared.engine.request import MODEL_DEFAULT_FIELDS, FinishReason, SamplingParams, StructuredOutputSpec
 from shared.engine.request import TokenLogprobs
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from shared.serving.api_auth import ApiAuthConfig
-from shared.serving.settings import add_flags, config_from_args
-from shared.serving.tls import TlsConfig
+from shared.serving.server.api_auth import ApiAuthConfig
+from shared.serving.server.settings import add_flags, config_from_args
+from shared.serving.server.tls import TlsConfig
 
 
 def add_connection_flags(parser: argparse.ArgumentParser) -> None:

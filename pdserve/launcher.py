@@ -17,9 +17,9 @@ from typing import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared.serving.handle_key import KEY_ENV_VAR
-from shared.serving.settings import add_flags, config_from_args
-from shared.serving.tls import TlsConfig
+from shared.serving.server.handle_key import KEY_ENV_VAR
+from shared.serving.server.settings import add_flags, config_from_args
+from shared.serving.server.tls import TlsConfig
 
 HOST = "127.0.0.1"
 # Loading a model and registering its KV pool takes seconds; a cold CI machine can be slow.

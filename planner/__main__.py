@@ -15,8 +15,8 @@ from planner.keda_scaler import SERVICE_NAME, DesiredReplicas, ExternalScalerSer
 from planner.loop import PlanningLoop
 from planner.metrics import PlannerMetrics
 from proto.externalscaler import externalscaler_pb2_grpc
-from shared.serving.grpc_server import GrpcServer, ServerOptions, serve_until_stopped
-from shared.serving.metrics import start_metrics_server
+from shared.serving.server.grpc_server import GrpcServer, ServerOptions, serve_until_stopped
+from shared.serving.server.metrics import start_metrics_server
 
 
 async def run(config: PlannerConfig) -> None:

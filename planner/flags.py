@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from planner.policy import ScalingPolicy
 from planner.scrape import Target, parse_targets
-from shared.serving.settings import add_flags, config_from_args, setting, settings_group
+from shared.serving.server.settings import add_flags, config_from_args, setting, settings_group
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.serving.settings import setting
+from shared.serving.server.settings import setting
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from planner.sample import Sample, TierSample
 
-# The names the pods and the router export (shared/serving/metrics.py, router/metrics.py).
+# The names the pods and the router export (shared/serving/server/metrics.py, router/metrics.py).
 POD_COUNTERS = {"pdserve_engine_busy_seconds": "busy_s", "pdserve_engine_steps": "num_steps",
                 "pdserve_engine_tokens": "num_tokens"}
 POD_GAUGES = {"pdserve_queue_depth": "num_waiting", "pdserve_running_requests": "num_running",

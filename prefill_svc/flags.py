@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 
 from shared.engine.kv_transfer.connector import KVRole
-from shared.serving.pod_runtime import PodConfig
-from shared.serving.pod_server import add_pod_flags, pod_config_from_args
+from shared.serving.pod.runtime import PodConfig
+from shared.serving.pod.flags import add_pod_flags, pod_config_from_args
 
 DEFAULT_PORT = 50061
 

@@ -16,11 +16,11 @@ from proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.serving import convert, wire
 from shared.engine.kv_transfer.handle import KvHandle
 from shared.engine.kv_transfer.handoff import HoldForPeer
-from shared.serving.metrics import ServiceMetrics
-from shared.serving.outcomes import InvalidRequest, PodUnavailable, invalid_on_value_error
-from shared.serving.pod_server import PodServicer
+from shared.serving.server.metrics import ServiceMetrics
+from shared.serving.pod.outcomes import InvalidRequest, PodUnavailable, invalid_on_value_error
+from shared.serving.pod.servicer import PodServicer
 from shared.engine.request import FinishReason, Request
-from shared.serving.telemetry import SpanAttr
+from shared.serving.server.telemetry import SpanAttr
 
 logger = logging.getLogger(__name__)
 

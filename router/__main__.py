@@ -19,15 +19,15 @@ from router.metrics import RouterMetrics
 from router.servicer import RouterServicer
 from shared.serving.text import TextCodec
 from router.workers import WorkerPool
-from shared.serving.api_auth import BearerTokenInterceptor, log_token_requirement
-from shared.serving.grpc_server import (
+from shared.serving.server.api_auth import BearerTokenInterceptor, log_token_requirement
+from shared.serving.server.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES, SERVICE_CHANNEL_OPTIONS, GrpcServer, ServerOptions, serve_until_stopped,
 )
-from shared.serving.http_server import HttpServer
+from shared.serving.server.http_server import HttpServer
 from shared.serving.openai.app import HttpFront
-from shared.serving.metrics import MetricsServer, start_metrics_server
+from shared.serving.server.metrics import MetricsServer, start_metrics_server
 from shared.serving.prefill_client import PrefillClient
-from shared.serving.telemetry import Tracing, TracingConfig, setup_tracing
+from shared.serving.server.telemetry import Tracing, TracingConfig, setup_tracing
 
 logger = logging.getLogger("router")
 

@@ -5,10 +5,10 @@ import argparse
 from dataclasses import dataclass, field
 
 from shared.serving.openai.config import HttpConfig
-from shared.serving.api_auth import ApiAuthConfig
+from shared.serving.server.api_auth import ApiAuthConfig
 from shared.serving.prefill_client import PrefillClientConfig
-from shared.serving.settings import add_flags, config_from_args, setting, settings_group
-from shared.serving.tls import TlsConfig
+from shared.serving.server.settings import add_flags, config_from_args, setting, settings_group
+from shared.serving.server.tls import TlsConfig
 
 from router.kv_index import DEFAULT_MAX_BLOCKS_PER_POD
 from router.policy import DisaggregationRule, KvWeights
@@ -103,7 +103,7 @@ class PoolConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Every router setting; each field with setting() metadata is a flag (shared/serving/settings.py)."""
+    """Every router setting; each field with setting() metadata is a flag (shared/serving/server/settings.py)."""
 
     prefill: tuple[WorkerSpec, ...] = field(metadata=setting(
         "prefill workers: host:port or dns:name:port; repeatable or comma separated",

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from shared.serving.metrics import TTFT_BUCKETS_S
-from shared.serving.outcomes import OUTCOMES
+from shared.serving.server.metrics import TTFT_BUCKETS_S
+from shared.serving.pod.outcomes import OUTCOMES
 
 TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384)
 

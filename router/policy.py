@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Collection, Mapping, Sequence
 
-from shared.serving.settings import setting
+from shared.serving.server.settings import setting
 from shared.serving.wire import LoadReport
 
 

@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 
-from shared.serving.outcomes import RETRY_AFTER_KEY
+from shared.serving.pod.outcomes import RETRY_AFTER_KEY
 
 
 class Stalled(Exception):

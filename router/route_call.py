@@ -12,7 +12,7 @@ import grpc
 from router.metrics import RouterMetrics
 from router.workers import WorkerPool
 from shared.engine.kv_transfer.handle import KvHandle, KvPullOutcome
-from shared.serving.outcomes import RETRY_AFTER_KEY
+from shared.serving.pod.outcomes import RETRY_AFTER_KEY
 
 logger = logging.getLogger(__name__)
 

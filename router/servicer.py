@@ -26,7 +26,7 @@ from shared.engine.request import FinishReason, SamplingParams
 from shared.serving import fan_out
 from shared.serving.generate_rpc import serve_generate
 from shared.serving.generation import CallEnded, GenerateChunk, GenerateInput, OnEnd, prompt_token_ids
-from shared.serving.outcomes import CANCELLED, ERROR, INVALID, OK, outcome_of_code, prompt_too_long
+from shared.serving.pod.outcomes import CANCELLED, ERROR, INVALID, OK, outcome_of_code, prompt_too_long
 from shared.serving.output_text import OutputText
 from shared.serving.text import TextCodec
 

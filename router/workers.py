@@ -18,7 +18,7 @@ from proto.pdserve.v1 import common_pb2
 from router.flags import PoolConfig, WorkerSpec, format_address
 from router.policy import WorkerView
 from shared.serving import convert, wire
-from shared.serving.tls import TlsConfig
+from shared.serving.server.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
 

@@ -134,9 +134,9 @@ def _wait_started(streams: subprocess.Popen, timeout_s: float = 60) -> None:
 
 
 def _drain_lines(log: str) -> list[str]:
-    """The drain's own log lines (shared/serving/drain.py), without their timestamps."""
-    return [line.split("shared.serving.drain: ", 1)[1] for line in log.splitlines()
-            if "shared.serving.drain: " in line]
+    """The drain's own log lines (shared/serving/server/drain.py), without their timestamps."""
+    return [line.split("shared.serving.server.drain: ", 1)[1] for line in log.splitlines()
+            if "shared.serving.server.drain: " in line]
 
 
 def drain(lab: Lab, tier: str, max_tokens: int) -> DrainRow:

@@ -80,7 +80,7 @@ def make_pki(directory: Path) -> dict:
 
 def server_tls(pki: dict, *, mutual: bool):
     """The TlsConfig of a server with pki's server certificate (requiring client certificates when mutual)."""
-    from shared.serving.tls import TlsConfig
+    from shared.serving.server.tls import TlsConfig
 
     return TlsConfig(tls_cert=str(pki["server"].cert), tls_key=str(pki["server"].key),
                      tls_ca=str(pki["ca"].cert_path) if mutual else "")

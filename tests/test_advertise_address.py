@@ -7,8 +7,8 @@ import socket
 import pytest
 
 from shared.engine.kv_transfer.connector import KVRole
-from shared.serving import pod_server
-from shared.serving.pod_runtime import PodConfig
+from shared.serving.pod import serve as pod_server
+from shared.serving.pod.runtime import PodConfig
 
 
 def test_a_prefill_pod_bound_to_one_address_advertises_it():

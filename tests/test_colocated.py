@@ -13,9 +13,9 @@ from colocated_svc.servicer import ColocatedServicer
 from proto.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.serving.grpc_server import GrpcServer, ServerOptions
-from shared.serving.metrics import ServiceMetrics
-from shared.serving.pod_runtime import Pod, PodConfig, serving_cache_config
+from shared.serving.server.grpc_server import GrpcServer, ServerOptions
+from shared.serving.server.metrics import ServiceMetrics
+from shared.serving.pod.runtime import Pod, PodConfig, serving_cache_config
 from shared.engine.request import FinishReason, SamplingParams
 
 pytestmark = pytest.mark.e2e
@@ -109,7 +109,7 @@ def test_invalid_input_gets_invalid_argument():
         (generate_pb2.GenerateRequest(), "prompt is missing"),
         (request([]), "prompt token_ids is empty"),
         (request([1, 2, 4096]), "out of vocabulary"),
-        (request(list(range(3, 3 + MAX_MODEL_LEN))), "maximum length"),
+        (request(list(range(3, 3 + MAX_MODEL_LEN))), "maximum context length"),
         (request([1, 2, 3], top_p=1.5), "top_p"),
         (request([1, 2, 3], max_tokens=0), "max_tokens"),
         (request(""), "prompt text is empty"),

@@ -1,11 +1,11 @@
-"""shared.serving.cpu_limit: torch's thread count follows the container's CPU quota (cgroup v2 and v1)."""
+"""shared.serving.server.cpu_limit: torch's thread count follows the container's CPU quota (cgroup v2 and v1)."""
 import os
 from pathlib import Path
 
 import pytest
 
-from shared.serving.cpu_limit import cgroup_cpu_limit, default_num_threads
-from shared.serving.pod_server import parse_port_range
+from shared.serving.server.cpu_limit import cgroup_cpu_limit, default_num_threads
+from shared.serving.pod.flags import parse_port_range
 
 
 def test_cgroup_v2_quota(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""shared.serving.drain: on shutdown, gRPC calls and HTTP requests in flight drain together under one grace
+"""shared.serving.server.drain: on shutdown, gRPC calls and HTTP requests in flight drain together under one grace
 deadline; those that cannot finish end with an error the client reads (gRPC UNAVAILABLE with a message, an
 SSE error event) rather than a cut connection; the drain's start and end are logged with counts."""
 from __future__ import annotations
@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from proto.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from shared.serving.drain import SHUTDOWN_MESSAGE, DrainMiddleware
-from shared.serving.grpc_server import GrpcServer, ServerOptions
-from shared.serving.http_server import HttpServer
+from shared.serving.server.drain import SHUTDOWN_MESSAGE, DrainMiddleware
+from shared.serving.server.grpc_server import GrpcServer, ServerOptions
+from shared.serving.server.http_server import HttpServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 CHUNK_INTERVAL_S = 0.05
@@ -94,7 +94,7 @@ def _drain_scenario(grace_s: float, num_tokens: int, caplog) -> tuple[list[dict]
         await server.stop()
         return await asyncio.gather(*streams), time.monotonic() - started
 
-    with caplog.at_level(logging.INFO, logger="shared.serving.drain"):
+    with caplog.at_level(logging.INFO, logger="shared.serving.server.drain"):
         return asyncio.run(scenario())
 
 

@@ -9,8 +9,8 @@ import pytest
 from shared.engine.kv_transfer.connector import KVConnectorBase, KVLoadFailurePolicy, KVRole
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.serving.engine_thread import EngineLoop, EngineStopped
-from shared.serving.outcomes import DuplicateRequestId, InvalidRequest
+from shared.serving.pod.engine_thread import EngineLoop, EngineStopped
+from shared.serving.pod.outcomes import DuplicateRequestId, InvalidRequest
 from shared.engine.request import Request, SamplingParams, StructuredOutputSpec
 
 

@@ -26,10 +26,10 @@ from shared.engine.llm_engine import LLMEngine
 from shared.engine.model.loader import load_model, save_pretrained
 from shared.engine.request import FinishReason, SamplingParams
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
-from shared.serving.http_server import HttpServer
+from shared.serving.server.http_server import HttpServer
 from shared.serving.openai.app import HttpFront
-from shared.serving.metrics import ServiceMetrics
-from shared.serving.pod_runtime import Pod, PodConfig
+from shared.serving.server.metrics import ServiceMetrics
+from shared.serving.pod.runtime import Pod, PodConfig
 from shared.serving.text import TextCodec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -185,11 +185,11 @@ def test_colocated_fills_unset_fields_and_vllm_mode_ignores_them(model_dir, expe
                                                     seed=SEED, extra_body={"ignore_eos": True})
             return whole.choices[0].text, codec
 
-    with caplog.at_level(logging.INFO, logger="shared.serving.pod_runtime"):
+    with caplog.at_level(logging.INFO, logger="shared.serving.pod.runtime"):
         text, codec = asyncio.run(silent_request("auto"))
     assert LOGGED_DEFAULTS in caplog.text
     assert text == codec.tokenizer.decode(expected["defaults"])
-    with caplog.at_level(logging.INFO, logger="shared.serving.pod_runtime"):
+    with caplog.at_level(logging.INFO, logger="shared.serving.pod.runtime"):
         text, codec = asyncio.run(silent_request("vllm"))
     assert "sampling defaults (--generation-config vllm): none" in caplog.text
     assert text == codec.tokenizer.decode(expected["openai without defaults"])

@@ -1,4 +1,4 @@
-"""shared.serving.grpc_server: health goes NOT_SERVING -> SERVING -> NOT_SERVING across start/ready/shutdown,
+"""shared.serving.server.grpc_server: health goes NOT_SERVING -> SERVING -> NOT_SERVING across start/ready/shutdown,
 reflection lists the services, and an unexpected handler exception becomes INTERNAL."""
 import asyncio
 import contextlib
@@ -10,7 +10,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
 from raw_grpc import GARBAGE, call_with_raw_bytes
-from shared.serving.grpc_server import GrpcServer, ServerOptions, serve_until_stopped
+from shared.serving.server.grpc_server import GrpcServer, ServerOptions, serve_until_stopped
 
 pytestmark = pytest.mark.e2e
 
@@ -71,7 +71,7 @@ def test_an_error_after_the_call_ended_is_not_reported_as_unexpected(caplog):
         finally:
             await server.stop(0)
 
-    with caplog.at_level("INFO", logger="shared.serving.grpc_server"):
+    with caplog.at_level("INFO", logger="shared.serving.server.grpc_server"):
         asyncio.run(scenario())
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
     assert "after the call had ended" in caplog.text
@@ -251,7 +251,7 @@ def test_malformed_bytes_get_invalid_argument_and_one_log_line(method, is_stream
         await server.start()
         try:
             async with grpc.aio.insecure_channel(server.address) as channel:
-                with caplog.at_level("WARNING", logger="shared.serving.grpc_server"):
+                with caplog.at_level("WARNING", logger="shared.serving.server.grpc_server"):
                     error = await call_with_raw_bytes(
                         channel, method, is_stream_response, is_stream_request, GARBAGE
                     )
@@ -264,5 +264,5 @@ def test_malformed_bytes_get_invalid_argument_and_one_log_line(method, is_stream
             await server.stop(0)
 
     asyncio.run(scenario())
-    logged = [r for r in caplog.records if r.name == "shared.serving.grpc_server" and "malformed" in r.getMessage()]
+    logged = [r for r in caplog.records if r.name == "shared.serving.server.grpc_server" and "malformed" in r.getMessage()]
     assert len(logged) == 1 and logged[0].exc_info is None

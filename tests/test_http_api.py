@@ -18,12 +18,12 @@ from colocated_svc.servicer import ColocatedServicer
 from shared.engine.request import MAX_LOGPROBS, MAX_N
 from shared.engine.request import FinishReason
 from shared.serving.generation import GenerateChunk
-from shared.serving.http_server import HttpServer
+from shared.serving.server.http_server import HttpServer
 from shared.serving.openai.app import HttpFront
 from shared.serving.openai.config import COMPLETIONS_PATH, HttpConfig
-from shared.serving.metrics import ServiceMetrics
-from shared.serving.pod_runtime import Pod, PodConfig, serving_cache_config
-from shared.serving.telemetry import Tracing, TracingConfig, setup_tracing
+from shared.serving.server.metrics import ServiceMetrics
+from shared.serving.pod.runtime import Pod, PodConfig, serving_cache_config
+from shared.serving.server.telemetry import Tracing, TracingConfig, setup_tracing
 from shared.serving.text import TextCodec
 from tests.otlp_receiver import OtlpReceiver, children_of
 
@@ -161,7 +161,7 @@ def test_colocated_errors_are_openai_shaped_with_the_right_status():
                  f"logprobs must be in [0, {MAX_LOGPROBS}]"),
                 (dict(model="tiny", prompt=PROMPT, extra_body={"best_of": 2}), openai.BadRequestError, "'best_of'"),
                 (dict(model="tiny", prompt=[1, 2, 4096]), openai.BadRequestError, "out of vocabulary"),
-                (dict(model="tiny", prompt=[5] * MAX_MODEL_LEN), openai.BadRequestError, "maximum length"),
+                (dict(model="tiny", prompt=[5] * MAX_MODEL_LEN), openai.BadRequestError, "maximum context length"),
                 (dict(model="tiny", prompt=PROMPT, temperature=-1), openai.BadRequestError, "temperature"),
                 (dict(model="tiny", prompt=PROMPT, extra_body={"bogus": 1}), openai.BadRequestError, "'bogus'"),
                 (dict(model="gpt-9", prompt=PROMPT), openai.NotFoundError, "gpt-9"),
@@ -240,7 +240,7 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop():
                     latencies.append(time.monotonic() - started)
                     await asyncio.sleep(0.05)
                 answer = await big
-                assert answer.status_code == 400 and "maximum length" in answer.json()["error"]["message"]
+                assert answer.status_code == 400 and "maximum context length" in answer.json()["error"]["message"]
                 assert len(latencies) >= 3 and max(latencies) < 1.0, latencies
 
     asyncio.run(scenario())
@@ -399,11 +399,14 @@ def test_split_router_refuses_a_prompt_beyond_the_model_length_without_forwardin
     with pytest.raises(openai.BadRequestError) as info:
         split_client.completions.create(model="tiny", prompt=[5] * 2100, max_tokens=4)
     # The limit came from the pods' load reports (the tiny preset's 2048 positions).
-    assert "the model's maximum length is 2048" in info.value.body["message"]
+    # OpenAI's words, which clients detect a context overflow by.
+    assert info.value.body["message"].startswith("This model's maximum context length is 2048 tokens. However, you "
+                                                 "requested 2104 tokens (2100 in the messages, 4 in the completion).")
     # A chat request that named no max_tokens is told its prompt leaves no room (not of a max_tokens it never sent).
     with pytest.raises(openai.BadRequestError) as chat:
         split_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "go " * 2100}])
-    assert "leaves no room to generate" in chat.value.body["message"]
+    assert "maximum context length is 2048 tokens" in chat.value.body["message"]
+    assert "1 in the completion" in chat.value.body["message"]
     assert "max_tokens" not in chat.value.body["message"]
     assert _count(urllib.request.urlopen(prefill_metrics, timeout=5).read().decode(), "invalid") == invalid_before
     assert split_client.models.list().data[0].max_model_len == 2048

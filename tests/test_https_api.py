@@ -18,9 +18,9 @@ from prometheus_client import CollectorRegistry
 from certs import make_pki, server_tls
 from shared.engine.request import FinishReason
 from shared.serving.generation import GenerateChunk, GenerateInput
-from shared.serving.http_server import HttpServer
+from shared.serving.server.http_server import HttpServer
 from shared.serving.openai.app import HttpFront
-from shared.serving.tls import TlsConfig
+from shared.serving.server.tls import TlsConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 

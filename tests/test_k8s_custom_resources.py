@@ -132,7 +132,7 @@ def _exported_names() -> set[str]:
     from prometheus_client import CollectorRegistry
 
     from router.metrics import RouterMetrics
-    from shared.serving.metrics import ServiceMetrics
+    from shared.serving.server.metrics import ServiceMetrics
 
     names = set()
     for registry in (ServiceMetrics().registry, RouterMetrics(CollectorRegistry()).registry):

@@ -15,8 +15,8 @@ from shared.engine.kv_cache.events import KvEvent, KvEventKind, KvEventLog
 from shared.engine.kv_cache.manager import KVCacheManager
 from shared.engine.request import Request, SamplingParams
 from shared.serving import convert
-from shared.serving.kv_events import KvEventFeed
-from shared.serving.pod_runtime import Pod, PodConfig
+from shared.serving.pod.kv_events import KvEventFeed
+from shared.serving.pod.runtime import Pod, PodConfig
 from shared.serving.wire import KvEventUpdate
 
 BLOCK_SIZE = 4

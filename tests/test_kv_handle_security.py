@@ -25,7 +25,7 @@ from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import SamplingParams
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.serving import convert
-from shared.serving.handle_key import KEY_ENV_VAR
+from shared.serving.server.handle_key import KEY_ENV_VAR
 from split_cluster import BLOCK_SIZE, NUM_BLOCKS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]

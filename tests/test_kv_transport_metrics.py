@@ -4,7 +4,7 @@ from prometheus_client import generate_latest
 
 from decode_svc.servicer import DecodeServicer
 from decode_svc.transport_probe import TRANSPORT_NAMES
-from shared.serving.metrics import ServiceMetrics
+from shared.serving.server.metrics import ServiceMetrics
 
 
 class _Sources:

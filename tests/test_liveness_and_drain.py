@@ -1,4 +1,4 @@
-"""shared.serving.grpc_server: liveness (the "liveness" health service) is SERVING whenever the process
+"""shared.serving.server.grpc_server: liveness (the "liveness" health service) is SERVING whenever the process
 works, apart from readiness (the overall status); a shutdown's callbacks and the server's stop share one
 grace deadline. decode_svc.transport_probe: the transport name follows locality and UCX_TLS."""
 import asyncio
@@ -12,7 +12,7 @@ from decode_svc.kv_sources import KvSourceCache, KvSourceUnavailable
 from decode_svc.transport_probe import ProbeResult, derive_transport
 from proto.pdserve.v1 import generate_pb2_grpc
 from shared.engine.kv_transfer.handle import KvHandle, KvLayout, KvRegion, KvSource
-from shared.serving.grpc_server import LIVENESS_SERVICE, GrpcServer, ServerOptions
+from shared.serving.server.grpc_server import LIVENESS_SERVICE, GrpcServer, ServerOptions
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

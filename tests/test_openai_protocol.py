@@ -17,9 +17,10 @@ from shared.engine.request import (
     StructuredOutputSpec,
     TokenLogprobs,
 )
-from shared.serving.openai import objects, protocol as oai
+from shared.serving.openai import messages, objects, protocol as oai
+from shared.serving.openai.chat import CHAT_FIELDS
 from shared.serving.chat_template import ChatTemplate, ChatTemplateError
-from shared.serving.outcomes import InvalidRequest
+from shared.serving.pod.outcomes import InvalidRequest
 from shared.serving.text import TextCodec
 
 # Every preset ships a tokenizer but the large ones (token ids only).
@@ -177,18 +178,78 @@ def test_stream_options():
         oai.stream_options_from_openai({"stream_options": {"include_usage": True}})
 
 
-def test_chat_messages_are_checked_and_their_parts_left_to_the_codec():
-    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
-    assert oai.chat_messages({"messages": [{"role": "user", "content": parts}]})[0]["content"] == parts
-    with pytest.raises(InvalidRequest, match="string or a list of parts"):
-        oai.chat_messages({"messages": [{"role": "user", "content": 7}]})
-    with pytest.raises(InvalidRequest, match="non-empty list"):
-        oai.chat_messages({"messages": []})
-    assert oai.chat_template_options({}) == oai.ChatTemplateOptions()
-    assert oai.chat_template_options({"add_generation_prompt": False, "continue_final_message": True,
-                                      "chat_template_kwargs": {"x": 1}}) == oai.ChatTemplateOptions(False, True, {"x": 1})
+def test_chat_messages_are_read_as_openai_defines_them():
+    parts = [{"type": "text", "text": "a"}, "b", {"type": "input_text", "text": "c"}]
+    assert messages.chat_messages({"messages": [{"role": "user", "content": parts, "name": "ann"}]}) == [
+        {"role": "user", "content": "a\nb\nc", "name": "ann"}]
+    # An assistant turn of tool calls alone: its null content is "" (vLLM's and transformers' reading).
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    read = messages.chat_messages({"messages": [
+        {"role": "assistant", "content": None, "tool_calls": [call], "refusal": None},
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "42"}]}]})
+    assert read == [{"role": "assistant", "content": "", "tool_calls": [
+                        {**call, "function": {"name": "f", "arguments": {"x": 1}}}]},
+                    {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
+    assert messages.chat_template_options({}) == messages.ChatTemplateOptions()
+    assert messages.chat_template_options({"add_generation_prompt": False, "continue_final_message": True,
+                                           "chat_template_kwargs": {"x": 1}}) == \
+        messages.ChatTemplateOptions(False, True, {"x": 1})
     with pytest.raises(InvalidRequest, match="chat_template_kwargs"):
-        oai.chat_template_options({"chat_template_kwargs": [1]})
+        messages.chat_template_options({"chat_template_kwargs": [1]})
+
+
+@pytest.mark.parametrize("chat, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "system", "content": None}]}, "messages[0].content"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": "hi", "name": 5}]}, "messages[0].name"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": ["hi"]}, "messages[0]"),
+])
+def test_a_malformed_message_is_refused_naming_its_field(chat, param):
+    with pytest.raises(InvalidRequest) as refused:
+        messages.chat_messages(chat)
+    assert refused.value.param == param and param in str(refused.value)
+
+
+def test_reasoning_effort_reaches_the_template_as_vllm_passes_it():
+    assert messages.chat_template_options({"reasoning_effort": "low"}).template_variables == {
+        "enable_thinking": True, "reasoning_effort": "low"}
+    assert messages.chat_template_options({"reasoning_effort": "none",
+                                           "chat_template_kwargs": {"enable_thinking": True}}).template_variables == {
+        "enable_thinking": True, "reasoning_effort": "none"}
+    for bad in ("extreme", 3, ["low"]):
+        with pytest.raises(InvalidRequest) as refused:
+            messages.chat_template_options({"reasoning_effort": bad})
+        assert refused.value.param == "reasoning_effort"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"user": 5}, "user"), ({"user": ["a"]}, "user"), ({"metadata": {"k": 1}}, "metadata"),
+    ({"store": "yes"}, "store"), ({"service_tier": 1}, "service_tier"), ({"parallel_tool_calls": "no"},
+                                                                           "parallel_tool_calls"),
+])
+def test_informational_fields_of_the_wrong_type_are_refused_by_name(body, param):
+    with pytest.raises(InvalidRequest) as refused:
+        oai.check_fields(body, ())
+    assert refused.value.param == param
+
+
+def test_a_sampling_field_of_the_wrong_type_is_refused_naming_it():
+    for body, param in (({"temperature": "hot"}, "temperature"), ({"max_tokens": [1]}, "max_tokens"),
+                        ({"stop": 5}, "stop"), ({"temperature": 900.0}, "temperature"),
+                        ({"response_format": {"type": "json_schema", "json_schema": [1]}}, "response_format")):
+        with pytest.raises(InvalidRequest) as refused:
+            oai.sampling_params_from_openai(body)
+        assert refused.value.param == param, body
 
 
 @pytest.mark.parametrize("preset", TOKENIZER_PRESETS)
@@ -270,10 +331,10 @@ def test_structured_outputs_takes_vllms_current_form_of_each_constraint():
 
 def test_null_means_unset_for_stream_and_known_openai_fields():
     assert not oai.stream_options_from_openai({"stream": None}).is_streaming
-    oai.check_fields({"reasoning_effort": None, "audio": None, "modalities": ["text"], "prompt_cache_key": "k",
-                      "safety_identifier": "s"}, ())
-    with pytest.raises(InvalidRequest, match="'reasoning_effort' is not supported"):
-        oai.check_fields({"reasoning_effort": "high"}, ())
+    oai.check_fields({"audio": None, "modalities": ["text"], "prompt_cache_key": "k", "safety_identifier": "s"}, ())
+    with pytest.raises(InvalidRequest, match="'audio' is not supported"):
+        oai.check_fields({"audio": {"voice": "alloy"}}, ())
+    oai.check_fields({"reasoning_effort": "high"}, CHAT_FIELDS)  # chat takes it, as vLLM does
 
 
 def test_logit_bias_names_what_is_wrong():
@@ -286,7 +347,7 @@ def test_logit_bias_names_what_is_wrong():
 def test_a_retry_hint_becomes_http_retry_after_in_whole_seconds():
     from shared.serving.generation import CallEnded
     from shared.serving.openai.errors import ended_error as _ended_error
-    from shared.serving.outcomes import RETRY_AFTER_KEY
+    from shared.serving.pod.outcomes import RETRY_AFTER_KEY
     import grpc
 
     answer = _ended_error(CallEnded(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", ((RETRY_AFTER_KEY, "1500"),)))

@@ -3,9 +3,9 @@ router labels a status code the way the pods label the error behind it."""
 import grpc
 import pytest
 
-from shared.serving.engine_thread import EngineStopped
-from shared.serving.metrics import ServiceMetrics
-from shared.serving.outcomes import (
+from shared.serving.pod.engine_thread import EngineStopped
+from shared.serving.server.metrics import ServiceMetrics
+from shared.serving.pod.outcomes import (
     OUTCOMES, DuplicateRequestId, InvalidRequest, KvUnusable, PodOverloaded, PodUnavailable, STATUS_TABLE,
     invalid_on_value_error, outcome_of_code, status_of,
 )

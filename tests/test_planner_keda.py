@@ -20,7 +20,7 @@ from planner.scrape import parse_targets
 from proto.externalscaler import externalscaler_pb2 as pb
 from proto.externalscaler import externalscaler_pb2_grpc
 from router.metrics import RouterMetrics
-from shared.serving.metrics import ServiceMetrics, start_metrics_server
+from shared.serving.server.metrics import ServiceMetrics, start_metrics_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 

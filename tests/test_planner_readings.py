@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from planner.readings import Histogram, build_sample, parse_reading
 from router.metrics import RouterMetrics
-from shared.serving.metrics import ServiceMetrics
+from shared.serving.server.metrics import ServiceMetrics
 
 
 def read(metrics) -> object:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.serving.outcomes import InvalidRequest
+from shared.serving.pod.outcomes import InvalidRequest
 from shared.serving.openai.responses_protocol import ResponseEvents, ResponseShell, chat_body, output_items
 
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}, "strict": True}

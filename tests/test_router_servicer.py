@@ -24,8 +24,8 @@ from shared.engine.request import SamplingParams
 from shared.serving.text import TextCodec
 from router.workers import WorkerPool, resolve_dns
 from shared.serving import convert, wire
-from shared.serving.outcomes import RETRY_AFTER_KEY
-from shared.serving.grpc_server import GrpcServer, ServerOptions
+from shared.serving.pod.outcomes import RETRY_AFTER_KEY
+from shared.serving.server.grpc_server import GrpcServer, ServerOptions
 from shared.serving.prefill_client import PrefillClient
 from shared.engine.model.generation_config import GenerationDefaults
 from shared.engine.request import FinishReason

@@ -295,3 +295,25 @@ def test_merge_interleaves_and_fails_fast():
                 pass
 
     asyncio.run(asyncio.wait_for(run(), 5))
+
+
+def _allows_text_after(compiler: GrammarCompiler, schema: dict, prefix: str, follow: str) -> bool:
+    """Whether the schema's grammar takes `follow` right after `prefix` (both encoded by the test tokenizer)."""
+    tokenizer = bpe_tokenizer()
+    grammar = compiler.compile(StructuredOutputSpec(json_schema=json.dumps(schema, separators=(",", ":"))))
+    assert grammar.accept_tokens("r", tokenizer.encode(prefix, add_special_tokens=False).ids)
+    return grammar.accept_tokens("r", tokenizer.encode(follow, add_special_tokens=False).ids)
+
+
+def test_a_schema_silent_on_additional_properties_takes_no_undeclared_keys():
+    """vLLM's default backend: declared properties and nothing else, unless the schema says otherwise
+    (here at the top and in a nested object alike)."""
+    compiler = GrammarCompiler(bpe_tokenizer(), 4096, [EOS_TOKEN_ID])
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    assert not _allows_text_after(compiler, city, '{"city":"Paris"', ',"country":"FR"}')
+    assert _allows_text_after(compiler, city, '{"city":"Paris"', "}")
+    nested = {"type": "object", "properties": {"place": city}, "required": ["place"]}
+    assert not _allows_text_after(compiler, nested, '{"place":{"city":"Paris"', ',"x":1')
+    assert _allows_text_after(compiler, {**city, "additionalProperties": True}, '{"city":"Paris"', ',"country":"FR"}')
+    assert _allows_text_after(compiler, {**city, "additionalProperties": {"type": "integer"}}, '{"city":"Paris"',
+                              ',"zip":75}')

@@ -156,7 +156,7 @@ def test_bad_options_get_invalid_argument(systems):
             with pytest.raises(grpc.RpcError) as caught:
                 list(client.generate(PROMPT, max_tokens=MAX_MODEL_LEN, timeout=30))
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "maximum length" in caught.value.details()
+            assert "maximum context length" in caught.value.details()
             with pytest.raises(grpc.RpcError) as caught:
                 list(client.generate(PROMPT, max_tokens=4, json_schema="{not json", timeout=30))
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT

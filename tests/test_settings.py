@@ -10,11 +10,11 @@ from decode_svc.flags import build_arg_parser as decode_parser, pod_config as de
 from prefill_svc.flags import build_arg_parser as prefill_parser, pod_config as prefill_config
 from router.flags import RouterConfig, build_arg_parser as router_parser
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy
-from shared.serving.api_auth import ApiAuthConfig
-from shared.serving.handle_key import HandleKeyConfig
-from shared.serving.pod_runtime import PodConfig
-from shared.serving.settings import add_flags, config_from_args, setting
-from shared.serving.tls import TlsConfig
+from shared.serving.server.api_auth import ApiAuthConfig
+from shared.serving.server.handle_key import HandleKeyConfig
+from shared.serving.pod.runtime import PodConfig
+from shared.serving.server.settings import add_flags, config_from_args, setting
+from shared.serving.server.tls import TlsConfig
 
 POD_FLAGS = [
     "--host", "--port", "--metrics-port", "--otlp-endpoint", "--otel-sampling-ratio", "--model", "--dtype", "--seed",
@@ -118,7 +118,7 @@ def test_a_new_field_is_a_new_flag():
 
 def test_enforce_eager_turns_the_engines_cuda_graphs_off(monkeypatch):
     """--enforce-eager reaches the engine as cuda_graphs=False; without it the engine decides (on for CUDA)."""
-    import shared.serving.pod_runtime as pod_runtime
+    import shared.serving.pod.runtime as pod_runtime
 
     seen = []
     real_engine = pod_runtime.LLMEngine
@@ -136,7 +136,7 @@ def test_enforce_eager_turns_the_engines_cuda_graphs_off(monkeypatch):
 
 def test_a_pod_fills_unset_fields_from_its_overrides():
     from shared.engine.request import SamplingParams
-    from shared.serving.pod_runtime import Pod
+    from shared.serving.pod.runtime import Pod
 
     small = dict(model="tiny", cache=dataclasses.replace(PodConfig().cache, num_blocks=256))
     pod = Pod(None, PodConfig(**small, override_generation_config='{"temperature": 0.5, "max_new_tokens": 7}'))
@@ -191,7 +191,7 @@ def test_a_binary_handle_key_file_is_refused_naming_the_flag_and_the_file(tmp_pa
 
 
 def test_the_model_length_is_the_models_own_unless_the_pool_or_the_flag_says_less():
-    from shared.serving.pod_runtime import resolved_max_model_len
+    from shared.serving.pod.runtime import resolved_max_model_len
 
     pool = dataclasses.replace(PodConfig().cache, block_size=16, num_blocks=257)  # 256 usable blocks: 4,096 tokens
     assert resolved_max_model_len(PodConfig(cache=pool), model_limit=2048) == 2048

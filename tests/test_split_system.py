@@ -285,7 +285,7 @@ def test_a_continuation_already_at_max_tokens_is_answered_complete(cluster):
     [
         ([], {}, "prompt"),
         ([1, 2, 99999], {}, "vocabulary"),
-        (list(range(3, 2100)), {}, "maximum length"),
+        (list(range(3, 2100)), {}, "maximum context length"),
         ([1, 2, 3], {"temperature": -1.0}, "temperature"),
         ([1, 2, 3], {"top_p": 0.0}, "top_p"),
         ([1, 2, 3], {"max_tokens": 0}, "max_tokens"),

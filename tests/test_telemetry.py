@@ -14,8 +14,8 @@ import pytest
 from opentelemetry import context as otel_context
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.serving.metrics import OUTCOMES, ServiceMetrics, start_metrics_server
-from shared.serving.telemetry import SpanAttr, Tracing, TracingConfig, record_span, setup_tracing
+from shared.serving.server.metrics import OUTCOMES, ServiceMetrics, start_metrics_server
+from shared.serving.server.telemetry import SpanAttr, Tracing, TracingConfig, record_span, setup_tracing
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, children_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
@@ -390,7 +390,7 @@ def test_http_middleware_spans_traced_routes_only_and_marks_server_errors() -> N
     from starlette.routing import Route
     from starlette.testclient import TestClient
 
-    from shared.serving.telemetry import HttpTracingMiddleware
+    from shared.serving.server.telemetry import HttpTracingMiddleware
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

@@ -12,9 +12,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from certs import CertificateAuthority, make_pki, server_tls
 from pdserve.client import AsyncPdserveClient, PdserveClient
 from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
-from shared.serving.api_auth import ApiAuthConfig, BearerTokenInterceptor, bearer_metadata
-from shared.serving.grpc_server import GrpcServer, ServerOptions
-from shared.serving.tls import TlsConfig
+from shared.serving.server.api_auth import ApiAuthConfig, BearerTokenInterceptor, bearer_metadata
+from shared.serving.server.grpc_server import GrpcServer, ServerOptions
+from shared.serving.server.tls import TlsConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 

@@ -23,7 +23,7 @@ from proto.pdserve.v1 import common_pb2, prefill_pb2_grpc
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import SamplingParams
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
-from shared.serving.tls import TlsConfig
+from shared.serving.server.tls import TlsConfig
 from split_cluster import BLOCK_SIZE, MODEL_ARGS, NUM_BLOCKS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]

@@ -7,8 +7,9 @@ import random
 import jsonschema
 import pytest
 
-from shared.serving.outcomes import InvalidRequest
-from shared.serving.openai.tool_calls import ToolCallParser, ToolChoice, template_messages, tool_request
+from shared.serving.openai.messages import chat_messages
+from shared.serving.openai.tool_calls import ToolCallParser, ToolChoice, tool_request
+from shared.serving.pod.outcomes import InvalidRequest
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
@@ -170,12 +171,12 @@ def test_an_assistants_call_arguments_reach_the_template_as_an_object():
                     {"id": "call_1", "type": "function",
                      "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-    converted = template_messages(messages)
+    converted = chat_messages({"messages": messages})
     assert converted[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
-    assert converted[0] is messages[0] and converted[2] is messages[2]
+    assert converted[0] == messages[0] and converted[2] == messages[2]
     messages[1]["tool_calls"][0]["function"]["arguments"] = "{oops"
     with pytest.raises(InvalidRequest, match=r"messages\[1\].tool_calls\[0\].function.arguments is not valid JSON"):
-        template_messages(messages)
+        chat_messages({"messages": messages})
 
 
 def test_vllms_readings_empty_tools_no_parameters_and_a_forced_call_over_a_response_format():

@@ -15,7 +15,7 @@ from pdserve.launcher import LocalCluster
 from proto.pdserve.v1 import generate_pb2_grpc, prefill_pb2_grpc
 from shared.serving import convert
 from shared.engine.request import SamplingParams
-from shared.serving.telemetry import SpanAttr
+from shared.serving.server.telemetry import SpanAttr
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, children_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]

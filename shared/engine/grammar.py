@@ -14,6 +14,7 @@ import torch
 from llguidance import LLMatcher, LLTokenizer
 from llguidance.gbnf_to_lark import any_to_lark
 
+from shared.engine.closed_schema import closed_objects
 from shared.engine.request import StructuredOutputSpec
 
 # Compact JSON (no optional whitespace): a model cannot wander off into endless blanks.
@@ -113,7 +114,8 @@ class GrammarCompiler:
     def _grammar_text(spec: StructuredOutputSpec) -> str:
         if spec.json_schema is not None:
             try:
-                schema = json.loads(spec.json_schema)
+                # Undeclared keys are refused unless the schema allows them (vLLM's default backend does so).
+                schema = closed_objects(json.loads(spec.json_schema))
             except json.JSONDecodeError as exc:
                 raise ValueError(f"json_schema is not valid JSON: {exc}") from None
             except RecursionError:

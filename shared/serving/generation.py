@@ -11,7 +11,7 @@ from typing import AsyncIterator, Callable, Protocol
 import grpc
 
 from shared.engine.request import FinishReason, SamplingParams, TokenLogprobs
-from shared.serving.outcomes import RETRY_AFTER_KEY
+from shared.serving.pod.outcomes import RETRY_AFTER_KEY
 
 # A prompt text longer than this is tokenized on a worker thread (a megabyte takes about half a second
 # on one core), so the event loop goes on serving the other requests, health checks included.

@@ -9,7 +9,7 @@ import grpc
 from proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from shared.engine.request import SamplingParams
 from shared.serving import convert, wire
-from shared.serving.settings import setting
+from shared.serving.server.settings import setting
 
 
 @dataclass(frozen=True)

@@ -14,14 +14,15 @@ from shared.serving.openai.choices import ParsedRequest
 from shared.serving.openai.reasoning import prompt_opens_thinking
 from shared.serving.openai.serve import plain_answer, serve
 from shared.serving.openai.state import FrontState
-from shared.serving.openai.tool_calls import ToolRequest, template_messages, tool_request
+from shared.serving.openai.messages import ChatTemplateOptions, chat_messages, chat_template_options
+from shared.serving.openai.tool_calls import ToolRequest, tool_request
 from shared.serving.chat_template import ChatTemplateError
-from shared.serving.outcomes import InvalidRequest
+from shared.serving.pod.outcomes import InvalidRequest
 
 # Enough of a chat prompt's end to see whether its template opened the model's thinking.
 _PROMPT_TAIL_TOKENS = 16
 CHAT_FIELDS = ("messages", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "logprobs",
-               "top_logprobs", "tools", "tool_choice")
+               "top_logprobs", "tools", "tool_choice", "reasoning_effort")
 
 
 async def chat_completions(state: FrontState, request: Request) -> Response:
@@ -32,7 +33,7 @@ def chat_inputs(state: FrontState, body: dict[str, Any]) -> tuple[list[GenerateI
     """The chat request's generation input and what the answer needs to know of the request."""
     oai.check_fields(body, CHAT_FIELDS)
     tools = tool_request(body, state.config.tool_call_parser)
-    prompt = chat_prompt(state, oai.chat_messages(body), oai.chat_template_options(body), tools)
+    prompt = chat_prompt(state, chat_messages(body), chat_template_options(body), tools)
     opens_thinking = None
     if state.config.reasoning_parser is not None:
         tail = state.codec().decode(prompt[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
@@ -45,14 +46,14 @@ def chat_inputs(state: FrontState, body: dict[str, Any]) -> tuple[list[GenerateI
     return oai.generate_inputs(body, [prompt], params), parsed
 
 
-def chat_prompt(state: FrontState, messages: list[dict], options: oai.ChatTemplateOptions,
+def chat_prompt(state: FrontState, messages: list[dict], options: ChatTemplateOptions,
                 tools: ToolRequest | None) -> list[int]:
     """The token ids of the messages rendered with the model's chat template."""
     codec = state.codec()
     if codec is None:
         raise InvalidRequest("chat needs a tokenizer with a chat template: start the server with --tokenizer")
     try:
-        return codec.encode_chat(template_messages(messages), **dataclasses.asdict(options),
+        return codec.encode_chat(messages, **dataclasses.asdict(options),
                                  tools=list(tools.tools) if tools is not None else None)
     except ChatTemplateError as exc:  # no template, or the template refused the messages
         raise InvalidRequest(f"chat template: {exc}") from None

@@ -12,7 +12,7 @@ from shared.serving.openai import protocol as oai
 from shared.serving.openai.choices import Echo, ParsedRequest
 from shared.serving.openai.serve import plain_answer, serve
 from shared.serving.openai.state import FrontState
-from shared.serving.outcomes import InvalidRequest
+from shared.serving.pod.outcomes import InvalidRequest
 
 
 async def completions(state: FrontState, request: Request) -> Response:

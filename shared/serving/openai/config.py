@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from shared.serving.openai.reasoning import ReasoningParser
 from shared.serving.openai.tool_calls import ToolCallParser
-from shared.serving.settings import setting
+from shared.serving.server.settings import setting
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from shared.serving.generation import CallEnded
+from shared.serving.pod.outcomes import InvalidRequest
 
 # How an ended call's status shows over HTTP: (HTTP status, OpenAI error type).
 _HTTP_OF_CODE = {
@@ -27,17 +28,21 @@ _HTTP_OF_CODE = {
 SERVER_ERROR = (500, "server_error")
 
 
-def error_object(message: str, error_type: str, status: int, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+def error_object(message: str, error_type: str, status: int, param: str | None = None,
+                 code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: param names the request field to blame; code is OpenAI's code where it has
+    one (model_not_found), else the HTTP status (as vLLM sends it)."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code or status}}
 
 
-def error(status: int, error_type: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_object(message, error_type, status), status_code=status, headers=headers)
+def error(status: int, error_type: str, message: str, headers: dict[str, str] | None = None,
+          param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_object(message, error_type, status, param, code), status_code=status, headers=headers)
 
 
-def invalid(message: str) -> JSONResponse:
-    """400: the request cannot be served as it stands."""
-    return error(400, "invalid_request_error", message)
+def invalid(exc: InvalidRequest) -> JSONResponse:
+    """400: the request cannot be served as it stands (naming the field to blame, where one is)."""
+    return error(400, "invalid_request_error", str(exc), param=exc.param)
 
 
 def ended_error(ended: CallEnded) -> JSONResponse:

@@ -13,8 +13,9 @@ from shared.serving.openai import protocol as oai
 from shared.serving.openai.chat import chat_prompt
 from shared.serving.openai.errors import invalid
 from shared.serving.openai.state import FrontState
+from shared.serving.openai.messages import chat_messages, chat_template_options
 from shared.serving.openai.tool_calls import tool_request
-from shared.serving.outcomes import InvalidRequest
+from shared.serving.pod.outcomes import InvalidRequest
 from shared.serving.text import TextCodec, encode_text
 
 
@@ -64,7 +65,7 @@ async def _answer_tokenizer_call(state: FrontState, request: Request,
             raise InvalidRequest("this server has no tokenizer: start it with --tokenizer")
         return JSONResponse(await asyncio.to_thread(answer, state, body, codec))
     except InvalidRequest as exc:
-        return invalid(str(exc))
+        return invalid(exc)
 
 
 def _tokenized(state: FrontState, body: dict[str, Any], codec: TextCodec) -> dict[str, Any]:
@@ -72,7 +73,7 @@ def _tokenized(state: FrontState, body: dict[str, Any], codec: TextCodec) -> dic
         oai.check_fields(body, ("messages", "chat_template_kwargs", "add_generation_prompt",
                                 "continue_final_message", "tools", "return_token_strs"))
         tools = tool_request({**body, "tool_choice": "none"}, None) if body.get("tools") is not None else None
-        token_ids = chat_prompt(state, oai.chat_messages(body), oai.chat_template_options(body), tools)
+        token_ids = chat_prompt(state, chat_messages(body), chat_template_options(body), tools)
     else:
         oai.check_fields(body, ("prompt", "add_special_tokens", "return_token_strs"))
         prompt = body.get("prompt")

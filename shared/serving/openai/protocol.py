@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from shared.engine.request import MAX_LOGPROBS, MODEL_DEFAULT_FIELDS, SamplingParams, StructuredOutputSpec
 from shared.serving.convert import UINT32_MAX
 from shared.serving.generation import GenerateInput
-from shared.serving.outcomes import InvalidRequest
+from shared.serving.pod.outcomes import InvalidRequest
 
 # OpenAI's default (the domain default is greedy; an OpenAI client that sends no temperature expects 1),
 # where the model's generation_config.json sets no temperature either.
@@ -25,19 +25,19 @@ MAX_COMPLETIONS_PER_REQUEST = 1024  # a pod's default admission (--max-requests-
 
 def _number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidRequest(f"{name} must be a finite number, got {_shortened(value)}")
+        raise InvalidRequest(f"{name} must be a finite number, got {shortened(value)}")
     return float(value)
 
 
 def _integer(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequest(f"{name} must be an integer, got {_shortened(value)}")
+        raise InvalidRequest(f"{name} must be an integer, got {shortened(value)}")
     return value
 
 
 def boolean(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise InvalidRequest(f"{name} must be true or false, got {_shortened(value)}")
+        raise InvalidRequest(f"{name} must be true or false, got {shortened(value)}", name)
     return value
 
 
@@ -49,7 +49,7 @@ def _top_k(name: str, value: Any) -> int:
 def token_ids(name: str, value: Any) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(_is_token_id(t) for t in value):
         raise InvalidRequest(f"{name} must be a list of token ids (integers in [0, {UINT32_MAX}]), got "
-                             f"{_shortened(value)}")
+                             f"{shortened(value)}")
     return tuple(value)
 
 
@@ -57,7 +57,7 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= UINT32_MAX
 
 
-def _shortened(value: Any, limit: int = 200) -> str:
+def shortened(value: Any, limit: int = 200) -> str:
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}..."
 
@@ -67,7 +67,7 @@ def _stop(name: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
     if not isinstance(value, list) or not all(isinstance(text, str) for text in value):
-        raise InvalidRequest(f"{name} must be a string or a list of strings, got {_shortened(value)}")
+        raise InvalidRequest(f"{name} must be a string or a list of strings, got {shortened(value)}")
     return tuple(value)
 
 
@@ -81,7 +81,7 @@ def _token_count(name: str, value: Any) -> int:
 def _logit_bias(name: str, value: Any) -> dict[int, float]:
     """OpenAI sends token ids as JSON object keys (strings)."""
     if not isinstance(value, dict):
-        raise InvalidRequest(f"{name} must be an object of token id -> bias, got {_shortened(value)}")
+        raise InvalidRequest(f"{name} must be an object of token id -> bias, got {shortened(value)}")
     bad_keys = [token for token in value if not token.isdigit()]
     if bad_keys:
         raise InvalidRequest(f"{name} keys must be token ids, got {bad_keys[:5]!r}")
@@ -98,12 +98,13 @@ def _response_format(name: str, value: Any) -> StructuredOutputSpec | None:
     if kind == "json_object":
         return StructuredOutputSpec(json_object=True)
     if kind == "json_schema":
-        schema = (value.get("json_schema") or {}).get("schema")
+        json_schema = value.get("json_schema")
+        schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
         if not isinstance(schema, dict):
             raise InvalidRequest(f"{name}.json_schema.schema must be a JSON schema object")
         return StructuredOutputSpec(json_schema=json.dumps(schema))
     raise InvalidRequest(f"{name} must be {{'type': 'text' | 'json_object' | 'json_schema', ...}}, "
-                         f"got {_shortened(value)}")
+                         f"got {shortened(value)}")
 
 
 def _guided(kind: str) -> Callable[[str, Any], StructuredOutputSpec]:
@@ -133,7 +134,7 @@ def _structured_outputs(name: str, value: Any) -> StructuredOutputSpec:
     """vLLM's {"structured_outputs": {"json" | "regex" | "choice" | "grammar" | "json_object": ...}}: exactly one
     constraint; an option this server does not honour (whitespace_pattern, structural_tag, ...) is refused."""
     if not isinstance(value, dict):
-        raise InvalidRequest(f"{name} must be an object, got {_shortened(value)}")
+        raise InvalidRequest(f"{name} must be an object, got {shortened(value)}")
     given = {key: option for key, option in value.items() if option is not None and option is not False}
     unsupported = sorted(set(given) - {*_STRUCTURED_OUTPUTS, "json_object"})
     if unsupported:
@@ -180,7 +181,7 @@ SAMPLING_FIELDS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "best_of": 1, "echo": False, "suffix": None,  # echo: on chat (completions take it)
     "functions": None, "function_call": None,  # the deprecated form of tools
-    "reasoning_effort": None, "modalities": ["text"], "audio": None, "prediction": None,
+    "modalities": ["text"], "audio": None, "prediction": None,
     "web_search_options": None, "verbosity": None,
     # vLLM's own extra fields (its defaults ask for nothing).
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
@@ -190,9 +191,24 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "mm_processor_kwargs": None, "logits_processors": None, "vllm_xargs": None, "guided_decoding_backend": None,
     "guided_whitespace_pattern": None, "structural_tag": None, "media_io_kwargs": None, "include_reasoning": True,
 }
-# Fields that change nothing in the output (accepted and ignored).
-INFORMATIONAL_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-                        "safety_identifier")
+def _string(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{name} must be a string, got {shortened(value)}", name)
+    return value
+
+
+def _metadata(name: str, value: Any) -> dict[str, str]:
+    """OpenAI's metadata: string keys to string values."""
+    if not isinstance(value, dict) or not all(isinstance(item, str) for item in value.values()):
+        raise InvalidRequest(f"{name} must be an object of strings, got {shortened(value)}", name)
+    return value
+
+
+# Fields that change nothing in the output (accepted when of their type, and ignored): field -> its check.
+INFORMATIONAL_FIELDS: dict[str, Callable[[str, Any], Any]] = {
+    "user": _string, "metadata": _metadata, "store": boolean, "service_tier": _string,
+    "parallel_tool_calls": boolean, "prompt_cache_key": _string, "safety_identifier": _string,
+}
 _REQUEST_FIELDS = ("model", "stream", "stream_options", "request_id")
 
 
@@ -203,6 +219,15 @@ class EchoOptions:
     the engine still samples one token, which is not returned."""
 
     without_output: bool
+
+
+def _parsed_field(parse: Callable[[str, Any], Any], name: str, value: Any) -> Any:
+    """parse(name, value), its refusal naming the field."""
+    try:
+        return parse(name, value)
+    except InvalidRequest as exc:
+        exc.param = exc.param or name
+        raise
 
 
 def completion_echo(body: dict[str, Any]) -> EchoOptions | None:
@@ -228,7 +253,7 @@ def sampling_params_from_openai(
     for name, (param, parse) in SAMPLING_FIELDS.items():
         if body.get(name) is None:
             continue
-        value = parse(name, body[name])
+        value = _parsed_field(parse, name, body[name])
         given.add(param)
         if param != "structured_output":
             kwargs[param] = value
@@ -251,8 +276,9 @@ def sampling_params_from_openai(
             kwargs["max_tokens"] = 1
     try:
         return SamplingParams(**kwargs)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc)) from None
+    except ValueError as exc:  # SamplingParams names the field first ("temperature must be ...")
+        field_name = str(exc).split(" ", 1)[0]
+        raise InvalidRequest(str(exc), field_name if field_name in SAMPLING_FIELDS else None) from None
 
 
 def completion_logprobs_count(body: dict[str, Any]) -> int | None:
@@ -287,9 +313,11 @@ def check_fields(body: dict[str, Any], endpoint_fields: tuple[str, ...]) -> None
     for name, value in body.items():
         if name in UNSUPPORTED_FIELDS and name not in endpoint_fields:
             if value is not None and value != UNSUPPORTED_FIELDS[name]:
-                raise InvalidRequest(f"'{name}' is not supported by this server yet")
+                raise InvalidRequest(f"'{name}' is not supported by this server yet", name)
         elif name not in known:
-            raise InvalidRequest(f"unknown field '{name}'")
+            raise InvalidRequest(f"unknown field '{name}'", name)
+        elif name in INFORMATIONAL_FIELDS and value is not None:
+            _parsed_field(INFORMATIONAL_FIELDS[name], name, value)
 
 
 @dataclass(frozen=True)
@@ -344,49 +372,11 @@ def _one_prompt(name: str, prompt: Any) -> str | list[int]:
     return ids
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The chat messages, each an object with a role and a content that is text, a list of parts (the
-    codec reads their text) or absent."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("'messages' must be a non-empty list")
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise InvalidRequest(f"messages[{index}] must be an object with a 'role'")
-        if not isinstance(message.get("content"), (str, list, type(None))):
-            raise InvalidRequest(f"messages[{index}].content must be a string or a list of parts")
-    return messages
-
-
-@dataclass(frozen=True)
-class ChatTemplateOptions:
-    """vLLM's chat request fields for the template (their defaults are vLLM's)."""
-
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    template_variables: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
-
-
-def chat_template_options(body: dict[str, Any]) -> ChatTemplateOptions:
-    add_generation_prompt = body.get("add_generation_prompt")
-    continue_final_message = body.get("continue_final_message")
-    variables = body.get("chat_template_kwargs") or {}
-    if not isinstance(variables, dict):
-        raise InvalidRequest(f"chat_template_kwargs must be an object, got {_shortened(variables)}")
-    return ChatTemplateOptions(
-        add_generation_prompt=True if add_generation_prompt is None else boolean("add_generation_prompt",
-                                                                                  add_generation_prompt),
-        continue_final_message=continue_final_message is not None and boolean("continue_final_message",
-                                                                               continue_final_message),
-        template_variables=variables,
-    )
-
-
 def generate_inputs(body: dict[str, Any], prompts: list[str | list[int]], params: SamplingParams) -> list[GenerateInput]:
     """One generation input per prompt: a batch's prompts run as requests of their own, each with an id of
     its own."""
     request_id = body.get("request_id") or ""
     if not isinstance(request_id, str):
-        raise InvalidRequest(f"request_id must be a string, got {request_id!r}")
+        raise InvalidRequest(f"request_id must be a string, got {shortened(request_id)}", "request_id")
     return [GenerateInput(prompt, params, f"{request_id}-{index}" if request_id and len(prompts) > 1 else request_id)
             for index, prompt in enumerate(prompts)]

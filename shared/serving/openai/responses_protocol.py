@@ -10,8 +10,8 @@ import time
 import uuid
 from typing import Any
 
-from shared.serving.openai.protocol import SAMPLING_FIELDS, UNSUPPORTED_FIELDS, boolean
-from shared.serving.outcomes import InvalidRequest
+from shared.serving.openai.protocol import INFORMATIONAL_FIELDS, SAMPLING_FIELDS, UNSUPPORTED_FIELDS, boolean
+from shared.serving.pod.outcomes import InvalidRequest
 
 # Responses fields this server does not honour, with the value that asks for nothing.
 _UNSUPPORTED = {
@@ -36,7 +36,9 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
         chat["stream_options"] = {"include_usage": True}
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
-    if body.get("tools"):
+    if body.get("tools") is not None:
+        if not isinstance(body["tools"], list):
+            raise InvalidRequest(f"tools must be a list of function tools, got {body['tools']!r:.200}", "tools")
         chat["tools"] = [_chat_tool(index, tool) for index, tool in enumerate(body["tools"])]
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
@@ -56,9 +58,11 @@ def _check_fields(body: dict[str, Any]) -> None:
     for name, value in body.items():
         if name in unsupported and name not in own:
             if value is not None and value != unsupported[name]:
-                raise InvalidRequest(f"'{name}' is not supported by this server")
+                raise InvalidRequest(f"'{name}' is not supported by this server", name)
         elif name not in own and name not in _CHAT_EXTRAS:
-            raise InvalidRequest(f"unknown field '{name}'")
+            raise InvalidRequest(f"unknown field '{name}'", name)
+        elif name in INFORMATIONAL_FIELDS and value is not None:
+            INFORMATIONAL_FIELDS[name](name, value)
     text = body.get("text")
     if text is not None and (not isinstance(text, dict) or set(text) - {"format", "verbosity"}
                              or text.get("verbosity") is not None):
@@ -93,9 +97,10 @@ def _add_item(messages: list[dict[str, Any]], where: str, item: Any) -> None:
         raise InvalidRequest(f"{where} must be an object")
     kind = item.get("type", "message")
     if kind == "message" and "role" in item:
-        role = {"developer": "system"}.get(item["role"], item["role"])
+        role = "system" if item["role"] == "developer" else item["role"]
         if role not in ("system", "user", "assistant"):
-            raise InvalidRequest(f"{where}.role must be user, assistant, system or developer, got {item['role']!r}")
+            raise InvalidRequest(f"{where}.role must be user, assistant, system or developer, got {item['role']!r:.200}",
+                                 f"{where}.role")
         messages.append({"role": role, "content": _text_of(f"{where}.content", item.get("content"))})
     elif kind == "function_call":
         call = {"id": _string(f"{where}.call_id", item.get("call_id")), "type": "function",
@@ -140,7 +145,7 @@ def _chat_tool(index: int, tool: Any) -> dict[str, Any]:
     """A Responses function tool ({"type": "function", "name", "parameters", ...}) in chat's shape."""
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
-        raise InvalidRequest(f"tools[{index}]: only function tools are supported, got {kind!r}")
+        raise InvalidRequest(f"tools[{index}]: only function tools are supported, got {kind!r}", f"tools[{index}]")
     function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
     return {"type": "function", "function": function}
 
@@ -151,7 +156,7 @@ def _chat_tool_choice(choice: Any) -> Any:
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
     raise InvalidRequest(f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'name': ...}}, "
-                         f"got {choice!r}")
+                         f"got {choice!r:.200}", "tool_choice")
 
 
 def _response_format(text_format: Any) -> dict[str, Any] | None:
@@ -164,7 +169,7 @@ def _response_format(text_format: Any) -> dict[str, Any] | None:
         return {"type": "json_schema", "json_schema": {"name": text_format.get("name", "output"),
                                                        "schema": text_format.get("schema")}}
     raise InvalidRequest(f"text.format must be {{'type': 'text' | 'json_object' | 'json_schema', ...}}, "
-                         f"got {text_format!r}")
+                         f"got {text_format!r:.200}", "text.format")
 
 
 # ---- chat answer -> Response ---------------------------------------------------------------------

@@ -15,7 +15,7 @@ from shared.serving.openai.choices import Choices, ParsedRequest
 from shared.serving.openai.errors import SERVER_ERROR, ended_error, error, invalid
 from shared.serving.openai.state import FrontState
 from shared.serving.openai.streaming import EVENT_STREAM, chunk_events, collect, unless_disconnected
-from shared.serving.outcomes import InvalidRequest, invalid_on_value_error
+from shared.serving.pod.outcomes import InvalidRequest, invalid_on_value_error
 
 # An endpoint's reading of its body: the generation inputs (one per prompt) and what the answer needs.
 Parse = Callable[[FrontState, dict[str, Any]], tuple[list[GenerateInput], ParsedRequest]]
@@ -32,7 +32,7 @@ async def serve(state: FrontState, request: Request, *, is_chat: bool, parse: Pa
         # Chat rendering and tokenizing a large prompt take long: off the event loop.
         inputs, parsed = await asyncio.to_thread(_parsed, parse, state, body)
     except InvalidRequest as exc:
-        return invalid(str(exc))
+        return invalid(exc)
     codec = state.codec()
     choices = Choices(is_chat, state.model_name, parsed, state.token_texts,
                       codec.token_bytes if codec is not None else None)

@@ -14,11 +14,11 @@ from prometheus_client import CollectorRegistry
 from starlette.requests import Request
 from starlette.responses import Response
 
-from shared.serving.api_auth import bearer_matches
+from shared.serving.server.api_auth import bearer_matches
 from shared.serving.generation import Generate
 from shared.serving.openai.config import HttpConfig
 from shared.serving.openai.errors import error, invalid
-from shared.serving.outcomes import InvalidRequest
+from shared.serving.pod.outcomes import InvalidRequest
 from shared.serving.text import TextCodec
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class FrontState:
         except BodyTooLarge as exc:
             return error(413, "invalid_request_error", str(exc))
         except InvalidRequest as exc:
-            return invalid(str(exc))
+            return invalid(exc)
         return self.unknown_model(body) or body
 
     async def _raw_body(self, request: Request) -> bytes:
@@ -98,11 +98,17 @@ class FrontState:
         return b"".join(chunks)
 
     def unknown_model(self, body: dict[str, Any]) -> Response | None:
+        """400 for a model named by something other than a string, 404 (OpenAI's model_not_found) for a
+        model this server does not serve."""
         model = body.get("model")
-        if model is None or model in self.model_names:
+        if model is None:
             return None
-        return error(404, "invalid_request_error", f"the model '{model}' does not exist (this server has "
-                     f"'{self.model_name}')")
+        if not isinstance(model, str):
+            return invalid(InvalidRequest(f"model must be a string, got {type(model).__name__}", "model"))
+        if model in self.model_names:
+            return None
+        return error(404, "invalid_request_error", f"The model `{model}` does not exist (this server serves "
+                     f"`{self.model_name}`).", param="model", code="model_not_found")
 
 
 class BodyTooLarge(Exception):

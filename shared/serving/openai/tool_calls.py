@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.engine.request import StructuredOutputSpec
-from shared.serving.outcomes import InvalidRequest
+from shared.serving.pod.outcomes import InvalidRequest
 from shared.serving.text import tag_start_at_end
 
 # OpenAI's rule for function names.
@@ -367,32 +367,3 @@ class _BufferedStream(ToolCallStream):
         piece = self._text[self._num_sent:end] if end > self._num_sent else ""
         self._num_sent = max(self._num_sent, end)
         return piece
-
-
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as chat templates read them: an assistant's tool call arguments as an object, not the JSON
-    text OpenAI sends (vLLM turns them so too)."""
-    return [_with_argument_objects(index, message) for index, message in enumerate(messages)]
-
-
-def _with_argument_objects(index: int, message: dict[str, Any]) -> dict[str, Any]:
-    calls = message.get("tool_calls")
-    if calls is None:
-        return message
-    if not isinstance(calls, list):
-        raise InvalidRequest(f"messages[{index}].tool_calls must be a list")
-    return {**message, "tool_calls": [_call_with_argument_object(index, at, call) for at, call in enumerate(calls)]}
-
-
-def _call_with_argument_object(index: int, at: int, call: Any) -> dict[str, Any]:
-    where = f"messages[{index}].tool_calls[{at}]"
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise InvalidRequest(f"{where} must be {{'id': ..., 'type': 'function', 'function': {{'name', 'arguments'}}}}")
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise InvalidRequest(f"{where}.function.arguments is not valid JSON: {exc}") from None
-    return {**call, "function": {**function, "arguments": arguments}}

@@ -7,7 +7,7 @@ import logging
 from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 
 if TYPE_CHECKING:
-    from shared.serving.grpc_server import GrpcServer
+    from shared.serving.server.grpc_server import GrpcServer
 
 logger = logging.getLogger(__name__)
 

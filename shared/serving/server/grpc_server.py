@@ -19,8 +19,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from shared.serving.drain import Drain, DrainInterceptor
-from shared.serving.tls import TlsConfig
+from shared.serving.server.drain import Drain, DrainInterceptor
+from shared.serving.server.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -350,7 +350,7 @@ class GrpcServer:
         """Graceful shutdown within one deadline: readiness NOT_SERVING first (so balancers drain), owner
         callbacks (which may wait, see shutdown_seconds_left()), then in-flight RPCs, and whatever drains
         beside them (drain_beside: the HTTP front), get what is left, together. Calls still running just
-        before the deadline end with an error (shared/serving/drain.py). Liveness stays SERVING until the
+        before the deadline end with an error (shared/serving/server/drain.py). Liveness stays SERVING until the
         server stops: a draining process still works."""
         if self._stopped or self._server is None:
             return
@@ -383,4 +383,4 @@ class GrpcServer:
 
 
 # The end of every composition root, kept importable from here.
-from shared.serving.serve_loop import announce, serve_until_stopped  # noqa: E402,F401
+from shared.serving.server.serve_loop import announce, serve_until_stopped  # noqa: E402,F401

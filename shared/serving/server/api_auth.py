@@ -11,7 +11,7 @@ from typing import Mapping
 
 import grpc
 
-from shared.serving.settings import setting
+from shared.serving.server.settings import setting
 
 logger = logging.getLogger(__name__)
 

@@ -12,15 +12,15 @@ import grpc
 from opentelemetry import trace
 
 from shared.engine.request import FinishReason, Request
-from shared.serving.engine_thread import RequestStream
+from shared.serving.pod.engine_thread import RequestStream
 from shared.serving.generation import CallEnded
-from shared.serving.outcomes import (
+from shared.serving.pod.outcomes import (
     CANCELLED, ERROR, OK, RETRY_AFTER_KEY, CallError, PodOverloaded, outcome_of_code, status_of,
 )
-from shared.serving.telemetry import SpanAttr
+from shared.serving.server.telemetry import SpanAttr
 
 if TYPE_CHECKING:
-    from shared.serving.pod_server import PodServicer
+    from shared.serving.pod.servicer import PodServicer
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +30,9 @@ class PodCall:
     its status; anything else unexpected is logged and ends it with INTERNAL."""
 
     def __init__(self, servicer: "PodServicer", context: grpc.aio.ServicerContext | None, tier: str | None):
-        """context: the gRPC call's (None: work called in process, whose failures raise CallEnded); tier: name of the queue/compute spans recorded from the stream's timeline (None: the
-        servicer records its own spans)."""
+        """context: the gRPC call's (None: work called in process, whose failures raise CallEnded); tier:
+        name of the queue/compute spans recorded from the stream's timeline (None: the servicer records its
+        own spans)."""
         self.pod = servicer.pod
         self.context = context
         self._servicer = servicer

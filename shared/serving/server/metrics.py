@@ -10,7 +10,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import start_wsgi_server
 
-from shared.serving.outcomes import OUTCOMES
+from shared.serving.pod.outcomes import OUTCOMES
 
 NAMESPACE = "pdserve"
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import grpc
 
-from shared.serving.settings import setting
+from shared.serving.server.settings import setting
 
 
 def _read(path: str, flag: str) -> bytes:

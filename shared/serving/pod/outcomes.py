@@ -23,16 +23,23 @@ class CallError(Exception):
 
 
 class InvalidRequest(CallError, ValueError):
-    """The caller's input is unusable."""
+    """The caller's input is unusable; param names the request field to blame, where one is (OpenAI's
+    error object carries it)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 def prompt_too_long(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> InvalidRequest:
-    """The refusal of a prompt that, with max_tokens (None: the caller named none), passes the model's length."""
-    if max_tokens is None:
-        return InvalidRequest(f"the prompt has {num_prompt_tokens} tokens, which leaves no room to generate within "
-                              f"the model's maximum length {max_model_len}: shorten the prompt")
-    return InvalidRequest(f"the prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}; the model's "
-                          f"maximum length is {max_model_len}: shorten the prompt or lower max_tokens")
+    """The refusal of a prompt that, with max_tokens (None: the caller named none, so at least one token),
+    passes the model's length, in OpenAI's words (clients detect a context overflow by them)."""
+    num_completion_tokens = 1 if max_tokens is None else max_tokens
+    reduce = "the messages" if max_tokens is None else "the messages or completion"
+    return InvalidRequest(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                          f"{num_prompt_tokens + num_completion_tokens} tokens ({num_prompt_tokens} in the messages, "
+                          f"{num_completion_tokens} in the completion). Please reduce the length of {reduce}.",
+                          param="messages")
 
 
 class DuplicateRequestId(CallError):
@@ -105,5 +112,7 @@ def invalid_on_value_error() -> Iterator[None]:
     that means the caller's input is bad. Outside it a ValueError stays an internal error."""
     try:
         yield
+    except InvalidRequest:
+        raise
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None

@@ -1,5 +1,5 @@
-"""What the prefill and decode composition roots share: pod flags, and running a pod behind its gRPC
-server (tracing, metrics endpoint, health flipped to SERVING once the model and KV pool are ready)."""
+"""Running a pod behind its gRPC server, as every pod's composition root ends: tracing, metrics endpoint,
+health flipped to SERVING once the model and KV pool are ready, then the drain on SIGTERM."""
 from __future__ import annotations
 
 import argparse
@@ -11,29 +11,20 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
-import grpc
-from opentelemetry import context as otel_context
-
-from shared.serving.engine_thread import RequestTimeline
-from shared.serving.api_auth import BearerTokenInterceptor
-from shared.serving.grpc_server import GrpcServer, ServerOptions, announce, serve_until_stopped
-from shared.serving.http_server import HttpServer
-from shared.serving.handle_key import add_handle_key_flags
 from shared.engine.kv_transfer.connector import KVRole
 from shared.engine.kv_transfer.transfer_agent import recommended_environment
-from shared.serving.cpu_limit import default_num_threads
-from shared.serving.metrics import MetricsServer, ServiceMetrics, start_metrics_server
-from shared.serving.generation import CallEnded
-from shared.serving.outcomes import CallError, PodUnavailable, status_of
-from shared.serving.pod_call import PodCall, call_ended
-from shared.serving.pod_runtime import CONSUMER_SETTINGS, PRODUCER_SETTINGS, Pod, PodConfig
-from shared.serving.settings import add_flags, config_from_args, setting
-from shared.serving.tls import TlsConfig
-from shared.serving.telemetry import (
-    DEFAULT_UNTRACED_METHOD_PREFIXES, SpanAttr, Tracing, TracingConfig, record_span, setup_tracing,
-)
+from shared.serving.server.api_auth import BearerTokenInterceptor
+from shared.serving.server.grpc_server import GrpcServer, ServerOptions, announce, serve_until_stopped
+from shared.serving.server.http_server import HttpServer
+from shared.serving.server.metrics import MetricsServer, ServiceMetrics, start_metrics_server
+from shared.serving.pod.flags import PodServerConfig
+from shared.serving.pod.runtime import Pod, PodConfig
+from shared.serving.pod.servicer import PodServicer
+from shared.serving.server.settings import config_from_args
+from shared.serving.server.tls import TlsConfig
+from shared.serving.server.telemetry import DEFAULT_UNTRACED_METHOD_PREFIXES, Tracing, TracingConfig, setup_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -43,61 +34,6 @@ GAUGE_INTERVAL_S = 0.5
 ENGINE_WATCH_INTERVAL_S = 0.5
 # How often a draining pod looks whether its last requests and holds are gone.
 DRAIN_POLL_S = 0.02
-# Where the KV data plane listens (UCX TCP, one port per network interface): declared in the manifests'
-# NetworkPolicies, so it must be a fixed range, not UCX's ephemeral default.
-DEFAULT_KV_PORT_RANGE = "20000-20099"
-
-
-def parse_port_range(value: str) -> str:
-    """'LOW-HIGH' with 1024 <= LOW <= HIGH <= 65535 (argparse type)."""
-    low, separator, high = value.partition("-")
-    if not (separator and low.isdigit() and high.isdigit() and 1024 <= int(low) <= int(high) <= 65535):
-        raise argparse.ArgumentTypeError(f"expected LOW-HIGH with 1024 <= LOW <= HIGH <= 65535, got {value!r}")
-    return value
-
-
-@dataclasses.dataclass(frozen=True)
-class PodServerConfig:
-    """A pod's server settings, beside PodConfig's engine side: where it listens, its metrics and traces,
-    its KV transfer ports and its drain. Each field is a flag (shared/serving/settings.py)."""
-
-    host: str = dataclasses.field(default="127.0.0.1", metadata=setting("address to bind"))
-    port: int = dataclasses.field(default=0, metadata=setting("gRPC port (0 = any free)"))
-    metrics_port: int | None = dataclasses.field(default=None, metadata=setting(
-        "Prometheus port (0 = any free; off if unset)"
-    ))
-    otlp_endpoint: str | None = dataclasses.field(default=None, metadata=setting(
-        "OTLP/gRPC trace endpoint, e.g. http://127.0.0.1:4317"
-    ))
-    otel_sampling_ratio: float | None = dataclasses.field(default=None, metadata=setting(
-        "trace sampling ratio in [0, 1]"
-    ))
-    kv_port_range: str = dataclasses.field(default=DEFAULT_KV_PORT_RANGE, metadata=setting(
-        "LOW-HIGH: the TCP ports the NIXL/UCX KV transfer listens on", type=parse_port_range
-    ))
-    grace_seconds: float = dataclasses.field(default=ServerOptions.grace_seconds, metadata=setting(
-        "on SIGTERM: how long requests in flight (and KV held for a peer) may take to finish"
-    ))
-
-
-def add_pod_flags(parser: argparse.ArgumentParser, *, default_port: int, role: KVRole | None) -> None:
-    """The server flags every pod has (its own port the default), then one flag per PodConfig setting of
-    the pod's role."""
-    add_flags(parser, PodServerConfig, defaults={"port": default_port})
-    other_roles = {KVRole.PRODUCER: CONSUMER_SETTINGS, KVRole.CONSUMER: PRODUCER_SETTINGS}
-    add_flags(parser, PodConfig, exclude=other_roles.get(role, PRODUCER_SETTINGS + CONSUMER_SETTINGS))
-    if role is not None:
-        add_handle_key_flags(parser)
-
-
-def pod_config_from_args(args: argparse.Namespace) -> PodConfig:
-    """Without --num-threads, torch gets as many threads as the container's CPU limit allows."""
-    config = config_from_args(PodConfig, args)
-    if config.num_threads is None:
-        config = dataclasses.replace(config, num_threads=default_num_threads())
-    return config
-
-
 async def refresh_gauges(pod: Pod, metrics: ServiceMetrics) -> None:
     num_lease_expiries = num_queried = num_hit = num_steps = num_tokens = 0
     busy_s = 0.0
@@ -124,90 +60,6 @@ async def refresh_gauges(pod: Pod, metrics: ServiceMetrics) -> None:
             num_held_for_peer=load.num_held_blocks,
         )
         await asyncio.sleep(GAUGE_INTERVAL_S)
-
-
-class PodServicer:
-    """Base of the pod servicers: registered before the model loads, attached to the pod once ready.
-    Holds the service's tracing (a disabled one until run_pod hands the real one over)."""
-
-    def __init__(self) -> None:
-        self.pod: Pod | None = None
-        self.tracing = Tracing(TracingConfig(service_name="pdserve-pod"), None)
-        self.is_draining = False
-
-    def use_tracing(self, tracing: Tracing) -> None:
-        """Called before the server starts (client channels made later carry its interceptors)."""
-        self.tracing = tracing
-
-    def attach(self, pod: Pod) -> None:
-        self.pod = pod
-
-    async def close(self) -> None:
-        """Shutdown, after the pod stopped: end what the servicer still tracks."""
-
-    async def require_pod(self, context) -> Pod:
-        if self.pod is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the pod is still loading its model")
-        return self.pod
-
-    async def admit(self, context) -> Pod:
-        """require_pod for calls that start new work: none once the pod drains for shutdown."""
-        if self.is_draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the pod is shutting down")
-        return await self.require_pod(context)
-
-    async def start_call(self, context, tier: str | None) -> PodCall:
-        """Admit a call that starts new work; use the result as `async with`."""
-        await self.admit(context)
-        return PodCall(self, context, tier)
-
-    def admitted_pod(self) -> Pod:
-        """The pod, for work called in process; PodUnavailable while it loads or drains for shutdown."""
-        if self.is_draining:
-            raise PodUnavailable("the pod is shutting down")
-        if self.pod is None:
-            raise PodUnavailable("the pod is still loading its model")
-        return self.pod
-
-    def start_local_call(self, tier: str | None) -> PodCall:
-        """start_call for work called in process (no gRPC call): a failure raises CallEnded with its status."""
-        try:
-            self.admitted_pod()
-        except CallError as exc:
-            raise call_ended(exc) from None
-        return PodCall(self, None, tier)
-
-    def refused(self, error: CallError) -> CallEnded:
-        """The end of in-process work that started nothing, counted by its outcome (as refuse() does)."""
-        self.metrics.record_outcome(status_of(error)[1])
-        return call_ended(error)
-
-    # ---- tracing helpers (all no-ops when tracing is off) -------------------------------------
-    def trace_parent(self) -> otel_context.Context | None:
-        """The handler's context (its SERVER span) to parent spans recorded later; None when off."""
-        return otel_context.get_current() if self.tracing.is_enabled else None
-
-    def record_span(
-        self, name: str, parent: otel_context.Context | None, start_ns: int | None, end_ns: int | None,
-        attributes: Mapping[str, Any] | None = None,
-    ) -> None:
-        """A finished span measured elsewhere; skipped when tracing is off or a stage was never reached."""
-        if parent is None or start_ns is None or end_ns is None:
-            return
-        record_span(self.tracing.tracer, name, parent, start_ns, max(start_ns, end_ns), attributes)
-
-    def record_stage_spans(
-        self, tier: str, parent: otel_context.Context | None, timeline: RequestTimeline,
-        attributes: Mapping[str, Any], end_ns: int | None = None,
-    ) -> None:
-        """`{tier}-queue` (arrival to first scheduled) and `{tier}` compute (first computing step to
-        the finished output, or `end_ns` for a request that ended early)."""
-        if parent is None:
-            return
-        end_ns = timeline.finished_ns or end_ns or time.time_ns()
-        queued = {key: attributes[key] for key in (SpanAttr.REQUEST_ID,) if key in attributes}
-        self.record_span(f"{tier}-queue", parent, timeline.submitted_ns, timeline.scheduled_ns or end_ns, queued)
-        self.record_span(tier, parent, timeline.computing_ns, end_ns, attributes)
 
 
 async def drain(pod: Pod, grace_s: float) -> None:

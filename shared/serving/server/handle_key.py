@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Mapping
 
 from shared.engine.kv_transfer.handle_signing import MIN_KEY_BYTES
-from shared.serving.settings import add_flags, config_from_args, setting
+from shared.serving.server.settings import add_flags, config_from_args, setting
 
 # Read when no key file is given; `pdserve up` and LocalCluster set it for every pod they start.
 KEY_ENV_VAR = "PDSERVE_KV_HANDLE_KEY"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.serving.wire import LoadReport, PrefillKvSource
 from shared.engine.llm_engine import LLMEngine
-from shared.serving.engine_thread import EngineLoop, RequestStream
+from shared.serving.pod.engine_thread import EngineLoop, RequestStream
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
 from shared.engine.kv_transfer.handle import KvLayout
 from shared.engine.kv_transfer.handle_signing import HandleSigner
@@ -26,9 +26,9 @@ from shared.engine.model.generation_config import (
 )
 from shared.engine.model.loader import DTYPE_AUTO, DTYPE_CHOICES, load_model
 from shared.engine.request import Request, SamplingParams
-from shared.serving.outcomes import InvalidRequest, PodOverloaded, prompt_too_long
-from shared.serving.settings import engine_settings, setting, settings_group
-from shared.serving.tls import TlsConfig
+from shared.serving.pod.outcomes import InvalidRequest, PodOverloaded, prompt_too_long
+from shared.serving.server.settings import engine_settings, setting, settings_group
+from shared.serving.server.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ CONSUMER_SETTINGS = ("kv_load_failure_policy",)
 @dataclass(frozen=True)
 class PodConfig:
     """Settings of one pod: the engine configs it runs with, and the pod's own. Each field with
-    setting() metadata is a command-line flag (shared/serving/settings.py)."""
+    setting() metadata is a command-line flag (shared/serving/server/settings.py)."""
 
     model: str = field(default="tiny", metadata=setting("built-in preset (tiny, 100m) or an HF model directory"))
     dtype: str = field(default=DTYPE_AUTO, metadata=setting(
@@ -119,7 +119,7 @@ class PodConfig:
         "never replay decode steps as CUDA graphs (on cuda they are captured at start-up by default)"
     ))
     tls: TlsConfig = field(default_factory=TlsConfig, metadata=settings_group())
-    # Signs and checks KV handles (shared/serving/handle_key.py says where it comes from); None: unsigned.
+    # Signs and checks KV handles (shared/serving/server/handle_key.py says where it comes from); None: unsigned.
     kv_handle_key: bytes | None = field(default=None, repr=False)
 
     @property

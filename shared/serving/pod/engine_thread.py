@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from shared.engine.request import DuplicateRequestError, RequestStatus
-from shared.serving.outcomes import DuplicateRequestId, InvalidRequest, PodUnavailable
+from shared.serving.pod.outcomes import DuplicateRequestId, InvalidRequest, PodUnavailable
 from shared.serving.queue_time import WaitPredictor
 
 logger = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ from typing import Any
 
 import uvicorn
 
-from shared.serving.drain import Drain, DrainMiddleware
-from shared.serving.tls import TlsConfig
+from shared.serving.server.drain import Drain, DrainMiddleware
+from shared.serving.server.tls import TlsConfig
 
 
 class _Uvicorn(uvicorn.Server):
@@ -59,7 +59,7 @@ class HttpServer:
 
     async def start(self, drain: Drain | None = None) -> None:
         """Serves; with drain (the gRPC server's), its requests in flight are counted and ended at the
-        drain's deadline with the gRPC server's calls (shared/serving/drain.py)."""
+        drain's deadline with the gRPC server's calls (shared/serving/server/drain.py)."""
         app = self._app if drain is None else DrainMiddleware(self._app, drain)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", **self._tls_options)
         self._server = _Uvicorn(config)
