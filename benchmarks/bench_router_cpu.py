@@ -20,7 +20,7 @@ from router.kv_index import KvIndex, PromptHashes  # noqa: E402
 from router.policy import DisaggregationRule, KvWeights, WorkerView, decide_route, pick  # noqa: E402
 from shared.engine.kv_cache.events import KvEvent, KvEventKind  # noqa: E402
 from shared.engine.kv_cache.hashing import root_hash  # noqa: E402
-from shared.serving.wire import KvEventUpdate, LoadReport  # noqa: E402
+from shared.serving.wire.payloads import KvEventUpdate, LoadReport  # noqa: E402
 
 BLOCK_SIZE = 16
 PREFILL = [f"10.0.0.{i}:50061" for i in range(2)]

@@ -10,7 +10,8 @@ from typing import AsyncIterator
 import grpc
 
 from proto.pdserve.v1 import generate_pb2_grpc
-from shared.serving import convert, fan_out
+from shared.serving import fan_out
+from shared.serving.wire import convert
 from shared.serving.generate_rpc import serve_generate
 from shared.serving.generation import GenerateChunk, GenerateInput, OnEnd, prompt_token_ids
 from shared.serving.server.metrics import ServiceMetrics

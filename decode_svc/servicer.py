@@ -14,7 +14,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from shared.serving import convert, wire
+from shared.serving.wire import convert
+from shared.serving.wire import payloads as wire
 from shared.serving.pod.engine_thread import RequestStream
 from shared.serving.pod.outcomes import (
     HandleNotAuthentic, InvalidRequest, KvUnusable, PodUnavailable, invalid_on_value_error,

@@ -5,16 +5,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import signal
 import sys
 import time
 import traceback
 from importlib import metadata
-from pathlib import Path
 
-from pdserve.launcher import DEFAULT_PORTS, ClusterPorts
-from shared.serving.openai.reasoning import ReasoningParser
-from shared.serving.openai.tool_calls import ToolCallParser
+from pdserve.launcher import DEFAULT_PORTS
+from pdserve.up import add_up_command
 
 # Subcommands that hand their argv to a service's own composition root.
 SERVICE_MODULES = {
@@ -24,7 +21,6 @@ SERVICE_MODULES = {
     "colocated": "colocated_svc.__main__",
     "planner": "planner.__main__",
 }
-DEMO_PROMPT = "The quick brown fox"
 DEFAULT_TARGET = f"127.0.0.1:{DEFAULT_PORTS.router}"
 
 
@@ -95,28 +91,7 @@ def _parser() -> argparse.ArgumentParser:
         commands.add_parser(name, help=f"run one {name} service (see `pdserve {name} --help`)", add_help=False)
     commands.add_parser("bench", help="serving benchmark against a router (see `pdserve bench --help`)", add_help=False)
 
-    up = commands.add_parser("up", help="router + prefill + decode on 127.0.0.1 with the built-in model",
-                             formatter_class=defaults, parents=[common])
-    up.add_argument("--model", default="tiny", help="built-in preset or HF model directory")
-    up.add_argument("--tokenizer", default=None,
-                    help="the router's tokenizer.json or directory; unset: the model's (presets have one)")
-    up.add_argument("--port", type=int, default=DEFAULT_PORTS.router, help="router gRPC port")
-    up.add_argument("--http-port", type=int, default=DEFAULT_PORTS.http, help="router OpenAI-compatible HTTP port")
-    up.add_argument("--prefill-port", type=int, default=DEFAULT_PORTS.prefill, help="prefill pod gRPC port")
-    up.add_argument("--decode-port", type=int, default=DEFAULT_PORTS.decode, help="decode pod gRPC port")
-    up.add_argument("--otlp-endpoint", default=None, help="send traces of all three services to this OTLP/gRPC endpoint")
-    up.add_argument("--max-model-len", type=int, default=None,
-                    help="the pods' longest prompt + output (default: the model's own limit, as the KV pool allows)")
-    up.add_argument("--served-model-name", default=None, help="the name HTTP clients give the model")
-    up.add_argument("--tool-call-parser", default=None, choices=[parser.value for parser in ToolCallParser],
-                    help='the router\'s: the format the model writes tool calls in (chat\'s tool_choice "auto")')
-    up.add_argument("--reasoning-parser", default=None, choices=[parser.value for parser in ReasoningParser],
-                    help="the router's: read a reasoning model's <think>...</think> apart, as chat's reasoning")
-    up.add_argument("--log-dir", type=Path, default=Path("pdserve-logs"), help="where the services' logs go")
-    up.add_argument("--metrics", action="store_true", help="give every service a Prometheus port and print it")
-    up.add_argument("--demo", action="store_true", help="stream one completion through the system, then stop")
-    up.add_argument("--max-tokens", type=int, default=24, help="tokens to generate in the demo")
-    up.set_defaults(run=_run_up)
+    add_up_command(commands, [common])
 
     generate = commands.add_parser("generate", help="stream a completion from a running router",
                                    formatter_class=defaults, parents=[common])
@@ -214,54 +189,6 @@ def _stream(target: str, prompt, sampling: dict, timeout: float, **connection) -
     elapsed = time.monotonic() - started
     print(f"\n[{last.num_output_tokens} tokens, finish {last.finish_reason}, "
           f"TTFT {1000 * (first_at - started):.1f} ms, total {1000 * elapsed:.1f} ms]")
-
-
-def _run_up(args: argparse.Namespace) -> None:
-    from pdserve.launcher import LocalCluster
-
-    # Two pods share this machine's cores with the router: one torch pool each, no oversubscription.
-    pod_args = ["--model", args.model, "--num-threads", str(max(1, (os.cpu_count() or 2) // 2))]
-    router_args = ["--tokenizer", args.tokenizer or args.model]
-    ports = ClusterPorts(router=args.port, http=args.http_port, prefill=args.prefill_port, decode=args.decode_port)
-    if args.otlp_endpoint:
-        pod_args += ["--otlp-endpoint", args.otlp_endpoint]
-        router_args += ["--otlp-endpoint", args.otlp_endpoint]
-    if args.max_model_len is not None:
-        pod_args += ["--max-model-len", str(args.max_model_len)]
-    for flag in ("served_model_name", "tool_call_parser", "reasoning_parser"):
-        if getattr(args, flag):
-            router_args += ["--" + flag.replace("_", "-"), getattr(args, flag)]
-    print(f"starting router, prefill and decode (model {args.model}); logs in {args.log_dir}/", flush=True)
-    with LocalCluster.start(
-        pod_args=pod_args, router_args=router_args, with_metrics=args.metrics, log_dir=args.log_dir, ports=ports
-    ) as cluster:
-        for service in cluster.services:
-            metrics = f"  metrics {service.metrics_url}" if service.metrics_url else ""
-            print(f"  {service.name:10s} {service.address}  (pid {service.pid}){metrics}", flush=True)
-        http_url = cluster.router.http_url
-        print(f"  {'http':10s} {http_url}  (OpenAI-compatible: /completions, /chat/completions, /responses, /models)",
-              flush=True)
-        if args.demo:
-            print(f"streaming a completion of {DEMO_PROMPT!r} through {cluster.router.address}:", flush=True)
-            _stream(cluster.router.address, DEMO_PROMPT, dict(max_tokens=args.max_tokens, ignore_eos=True), 120.0)
-            return
-        target = "" if cluster.router.address == DEFAULT_TARGET else f" --target {cluster.router.address}"
-        print(f"ready (Ctrl-C stops):\n  pdserve generate{target} --prompt 'Hello'\n"
-              f"  curl {http_url}/chat/completions -H 'Content-Type: application/json' "
-              f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], \"max_tokens\": 16}}'",
-              flush=True)
-        _wait_for_interrupt(cluster)
-
-
-def _wait_for_interrupt(cluster) -> None:
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        while all(service.is_running() for service in cluster.services):
-            time.sleep(0.5)
-        dead = [s.name for s in cluster.services if not s.is_running()]
-        print(f"stopping: {', '.join(dead)} exited", flush=True)
-    except KeyboardInterrupt:
-        print("stopping", flush=True)
 
 
 if __name__ == "__main__":

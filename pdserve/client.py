@@ -18,7 +18,7 @@ from typing import AsyncIterator, Iterator, Sequence
 import grpc
 
 from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
-from shared.serving import convert
+from shared.serving.wire import convert
 from shared.serving.server.api_auth import bearer_metadata
 from shared.serving.server.tls import TlsConfig
 from shared.engine.request import MODEL_DEFAULT_FIELDS, FinishReason, SamplingParams, StructuredOutputSpec

@@ -53,6 +53,7 @@ class ServiceProcess:
     log_path: Path | None = None
     metrics_url: str | None = None
     http_url: str | None = None  # the OpenAI-compatible API's base URL (…/v1), when it serves one
+    cores: tuple[int, ...] | None = None  # the CPUs it is pinned to (None: any this process may use)
 
     @property
     def pid(self) -> int:
@@ -94,8 +95,10 @@ def start_service(
     address: str,
     log_dir: Path | None = None,
     env: dict[str, str] | None = None,
+    cores: Sequence[int] | None = None,
 ) -> ServiceProcess:
-    """Run `python -m module args...`; output goes to log_dir/name.log (or is inherited)."""
+    """Run `python -m module args...`; output goes to log_dir/name.log (or is inherited). cores: pin it to
+    these CPUs (set before it has imported anything, so every thread torch starts later inherits them)."""
     log_path = None
     stdout = None
     if log_dir is not None:
@@ -113,7 +116,10 @@ def start_service(
     )
     if stdout is not None:
         stdout.close()
-    return ServiceProcess(name=name, address=address, process=process, log_path=log_path)
+    if cores is not None:
+        os.sched_setaffinity(process.pid, cores)
+    return ServiceProcess(name=name, address=address, process=process, log_path=log_path,
+                          cores=tuple(cores) if cores is not None else None)
 
 
 def wait_serving(
@@ -141,6 +147,34 @@ def wait_serving(
             time.sleep(0.1)
     raise RuntimeError(f"{service.name} at {service.address} not SERVING after {timeout_s} s: "
                        f"{service.failure_summary()}")
+
+
+def split_cores(num_pods: int, cores: Sequence[int] | None = None) -> list[tuple[int, ...]] | None:
+    """Disjoint runs of this process's CPUs, one per pod, as even as they divide (the first pods take one
+    more), so pods on one machine never contend for a core; None when there are more pods than CPUs."""
+    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    if num_pods < 1 or num_pods > len(cores):
+        return None
+    share, extra = divmod(len(cores), num_pods)
+    out, start = [], 0
+    for pod in range(num_pods):
+        size = share + (1 if pod < extra else 0)
+        out.append(tuple(cores[start:start + size]))
+        start += size
+    return out
+
+
+def cores_text(cores: Sequence[int] | None) -> str:
+    """0-3,6 for (0, 1, 2, 3, 6); "any" for None."""
+    if not cores:
+        return "any"
+    runs, first = [], None
+    for i, core in enumerate(cores):
+        first = core if first is None else first
+        if i + 1 == len(cores) or cores[i + 1] != core + 1:
+            runs.append(str(core) if first == core else f"{first}-{core}")
+            first = None
+    return ",".join(runs)
 
 
 @dataclass(frozen=True)
@@ -197,17 +231,25 @@ class LocalCluster:
         timeout_s: float = DEFAULT_START_TIMEOUT_S,
         ports: ClusterPorts = ClusterPorts(),
         client_tls: TlsConfig = TlsConfig(),
+        pin_cores: bool = False,
     ) -> "LocalCluster":
         """The router always serves the HTTP API too (ServiceProcess.http_url). client_tls: the TLS
-        settings the health waits connect with, when the services' flags turn TLS on."""
+        settings the health waits connect with, when the services' flags turn TLS on. pin_cores: each pod
+        gets its own share of this process's CPUs (split_cores) and as many torch threads; with more pods
+        than CPUs, one thread each, unpinned. Either way the pods' threads add up to no more than the CPUs
+        (when there are at least as many CPUs as pods)."""
         cluster = cls(with_metrics=with_metrics, client_tls=client_tls)
         cluster.env.update(env or {})
         env = cluster.env
+        placement = _pod_placement(num_prefill + num_decode, pin_cores)
         try:
-            prefill = [cluster._start(f"prefill-{i}", "prefill_svc", [*pod_args, *prefill_args], log_dir, env,
-                                      _nth_port(ports.prefill, i)) for i in range(num_prefill)]
-            decode = [cluster._start(f"decode-{i}", "decode_svc", [*pod_args, *decode_args], log_dir, env,
-                                     _nth_port(ports.decode, i)) for i in range(num_decode)]
+            prefill = [cluster._start(f"prefill-{i}", "prefill_svc", [*placement[i][1], *pod_args, *prefill_args],
+                                      log_dir, env, _nth_port(ports.prefill, i), placement[i][0])
+                       for i in range(num_prefill)]
+            decode = [cluster._start(f"decode-{i}", "decode_svc",
+                                     [*placement[num_prefill + i][1], *pod_args, *decode_args], log_dir, env,
+                                     _nth_port(ports.decode, i), placement[num_prefill + i][0])
+                      for i in range(num_decode)]
             http_port = ports.http or free_port()
             routing = [f"--prefill={','.join(s.address for s in prefill)}",
                        f"--decode={','.join(s.address for s in decode)}", "--http-port", str(http_port)]
@@ -221,7 +263,8 @@ class LocalCluster:
         return cluster
 
     def _start(self, name: str, module: str, args: Sequence[str], log_dir: Path | None,
-               env: dict[str, str] | None, port: int | None = None) -> ServiceProcess:
+               env: dict[str, str] | None, port: int | None = None,
+               cores: Sequence[int] | None = None) -> ServiceProcess:
         port = port or free_port()
         args = ["--host", HOST, "--port", str(port), *args]
         metrics_url = None
@@ -229,7 +272,7 @@ class LocalCluster:
             metrics_port = free_port()
             args += ["--metrics-port", str(metrics_port)]
             metrics_url = f"http://{HOST}:{metrics_port}/metrics"
-        service = start_service(name, module, args, address=f"{HOST}:{port}", log_dir=log_dir, env=env)
+        service = start_service(name, module, args, address=f"{HOST}:{port}", log_dir=log_dir, env=env, cores=cores)
         service.metrics_url = metrics_url
         self.services.append(service)
         return service
@@ -251,6 +294,16 @@ def _http_scheme(router_args: Sequence[str]) -> str:
     add_flags(parser, TlsConfig)
     known, _ = parser.parse_known_args(list(router_args))
     return "https" if config_from_args(TlsConfig, known).tls_cert else "http"
+
+
+def _pod_placement(num_pods: int, pin_cores: bool) -> list[tuple[tuple[int, ...] | None, list[str]]]:
+    """Per pod: (its CPUs or None, the thread flags it starts with; flags passed after them win)."""
+    if not pin_cores:
+        return [(None, [])] * num_pods
+    shares = split_cores(num_pods)
+    if shares is None:  # more pods than CPUs: one thread each
+        return [(None, ["--num-threads", "1"])] * num_pods
+    return [(cores, ["--num-threads", str(len(cores))]) for cores in shares]
 
 
 def _nth_port(first: int | None, index: int) -> int | None:

@@ -13,7 +13,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from shared.serving import convert, wire
+from shared.serving.wire import convert
+from shared.serving.wire import payloads as wire
 from shared.engine.kv_transfer.handle import KvHandle
 from shared.engine.kv_transfer.handoff import HoldForPeer
 from shared.serving.server.metrics import ServiceMetrics

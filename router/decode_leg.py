@@ -21,7 +21,8 @@ from router.route_call import DROPPED, HOLD_UNUSED, Hold, HoldReleases, RouteErr
 from router.workers import WorkerPool
 from shared.engine.kv_transfer.handle import KvPullStats
 from shared.engine.request import FinishReason
-from shared.serving import convert, wire
+from shared.serving.wire import convert
+from shared.serving.wire import payloads as wire
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Iterable, Sequence
 
 from shared.engine.kv_cache.events import KvEventKind
 from shared.engine.kv_cache.hashing import BlockHash, hash_block
-from shared.serving.wire import KvEventUpdate
+from shared.serving.wire.payloads import KvEventUpdate
 
 logger = logging.getLogger(__name__)
 

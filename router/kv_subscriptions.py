@@ -10,7 +10,7 @@ import grpc
 
 from proto.pdserve.v1 import kv_events_pb2, kv_events_pb2_grpc
 from router.kv_index import KvIndex
-from shared.serving import convert
+from shared.serving.wire import convert
 from shared.serving.server.tls import TlsConfig
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Collection, Mapping, Sequence
 
 from shared.serving.server.settings import setting
-from shared.serving.wire import LoadReport
+from shared.serving.wire.payloads import LoadReport
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from router.picking import Picker, no_pick_error
 from router.retry import Stalled, retry_after_s
 from router.route_call import ANSWER_MAY_BE_LOST, DROPPED, RETRYABLE, Hold, HoldReleases, RouteError, count_retry
 from router.workers import WorkerPool
-from shared.serving import wire
+from shared.serving.wire import payloads as wire
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from proto.pdserve.v1 import common_pb2
 from router.flags import PoolConfig, WorkerSpec, format_address
 from router.policy import WorkerView
-from shared.serving import convert, wire
+from shared.serving.wire import convert
+from shared.serving.wire import payloads as wire
 from shared.serving.server.tls import TlsConfig
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from proto.pdserve.v1 import (
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import SamplingParams
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
-from shared.serving import convert
+from shared.serving.wire import convert
 from split_cluster import BLOCK_SIZE, NUM_BLOCKS, VOCAB_SIZE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

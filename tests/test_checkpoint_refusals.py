@@ -224,14 +224,33 @@ def test_a_prompt_longer_than_the_pool_is_refused_at_admission_not_left_waiting(
 
 # ---- --dtype auto ---------------------------------------------------------------------------------------
 
-def test_dtype_auto_is_the_checkpoint_dtype_on_a_gpu_and_float32_on_the_cpu(tmp_path, caplog):
+def test_dtype_auto_is_the_checkpoint_dtype_on_a_gpu_and_bfloat16_on_a_bfloat16_cpu(tmp_path, caplog, monkeypatch):
+    from shared.engine.model import dtype_choice
+
     save_pretrained(random_model(ModelArchConfig(**{**SMALL.__dict__, "dtype": "bfloat16"}), seed=3), tmp_path)
     with caplog.at_level("INFO", logger="shared.engine.model.loader"):
+        monkeypatch.setattr(dtype_choice, "cpu_bf16_flags", lambda: ())
         assert load_model(tmp_path, dtype="auto", device="cpu").config.dtype == "float32"
+        monkeypatch.setattr(dtype_choice, "cpu_bf16_flags", lambda: ("avx512_bf16",))
+        assert load_model(tmp_path, dtype="auto", device="cpu").config.dtype == "bfloat16"
+        assert load_model("tiny", dtype="auto", device="cpu").config.dtype == "float32"  # a float32 checkpoint
         # Resolved, not moved: the weights load on the CPU either way, so this runs without a GPU.
         assert load_model(tmp_path, dtype="auto", device="cuda").config.dtype == "bfloat16"
         assert load_model(tmp_path, dtype="float32", device="cuda").config.dtype == "float32"
     assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
-        "dtype float32 (auto on cpu)", "dtype bfloat16 (auto on cuda)", "dtype float32 (as asked)"]
+        "dtype float32 (auto: the checkpoint is bfloat16 but the CPU has no AVX512-BF16 or AMX)",
+        "dtype bfloat16 (auto: the checkpoint is bfloat16 and the CPU has avx512_bf16)",
+        "dtype float32 (auto: the checkpoint is float32)",
+        "dtype bfloat16 (auto: the checkpoint is bfloat16, on a GPU)", "dtype float32 (as asked)"]
     with pytest.raises(ValueError, match="dtype must be one of"):
         load_model(tmp_path, dtype="float16")
+
+
+def test_cpu_bfloat16_flags_are_read_from_cpuinfo(tmp_path):
+    from shared.engine.model.dtype_choice import cpu_bf16_flags
+
+    (tmp_path / "cpuinfo").write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f amx_bf16 avx512_bf16\n")
+    assert cpu_bf16_flags(tmp_path / "cpuinfo") == ("avx512_bf16", "amx_bf16")
+    (tmp_path / "cpuinfo").write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f\n")
+    assert cpu_bf16_flags(tmp_path / "cpuinfo") == ()
+    assert cpu_bf16_flags(tmp_path / "absent") == ()

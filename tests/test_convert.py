@@ -1,10 +1,11 @@
-"""shared.serving.convert round-trips domain values through proto and rejects bad input with precise messages."""
+"""shared.serving.wire.convert round-trips domain values through proto and rejects bad input with precise messages."""
 import dataclasses
 
 import pytest
 
 from proto.pdserve.v1 import common_pb2, decode_pb2, generate_pb2, prefill_pb2
-from shared.serving import convert, wire
+from shared.serving.wire import convert
+from shared.serving.wire import payloads as wire
 from shared.engine.kv_transfer.handle import KvRegion, KvSource
 from shared.engine.request import MODEL_DEFAULT_FIELDS, FinishReason, SamplingParams, StructuredOutputSpec
 from shared.engine.request import MAX_PROMPT_LOGPROBS, TokenLogprobs

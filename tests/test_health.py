@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from pdserve.launcher import HOST, LocalCluster, ServiceProcess, free_port, start_service, wait_serving
 from proto.pdserve.v1 import decode_pb2, decode_pb2_grpc
-from shared.serving import convert
+from shared.serving.wire import convert
 from shared.engine.request import FinishReason, SamplingParams
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]

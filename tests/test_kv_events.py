@@ -14,10 +14,10 @@ from router.kv_index import KvIndex, PromptHashes
 from shared.engine.kv_cache.events import KvEvent, KvEventKind, KvEventLog
 from shared.engine.kv_cache.manager import KVCacheManager
 from shared.engine.request import Request, SamplingParams
-from shared.serving import convert
+from shared.serving.wire import convert
 from shared.serving.pod.kv_events import KvEventFeed
 from shared.serving.pod.runtime import Pod, PodConfig
-from shared.serving.wire import KvEventUpdate
+from shared.serving.wire.payloads import KvEventUpdate
 
 BLOCK_SIZE = 4
 ADDRESS = "10.0.0.1:50071"

@@ -24,7 +24,7 @@ from shared.engine.kv_cache.hashing import prompt_digest
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import SamplingParams
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
-from shared.serving import convert
+from shared.serving.wire import convert
 from shared.serving.server.handle_key import KEY_ENV_VAR
 from split_cluster import BLOCK_SIZE, NUM_BLOCKS
 

@@ -17,7 +17,8 @@ from shared.engine.kv_transfer.transfer_agent import (
     nixl_memory_type,
     nixl_module_names,
 )
-from shared.serving import convert, wire
+from shared.serving.wire import convert
+from shared.serving.wire import payloads as wire
 
 LAYOUT = KvLayout("llama3-8b", "bfloat16", 2, 8, 128, 16)
 

@@ -18,7 +18,7 @@ from proto.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_p
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import SamplingParams
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
-from shared.serving import convert
+from shared.serving.wire import convert
 
 pytestmark = pytest.mark.e2e
 

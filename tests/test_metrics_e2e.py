@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.client import PdserveClient
 from pdserve.launcher import LocalCluster
 from proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2_grpc
-from shared.serving import convert
+from shared.serving.wire import convert
 from shared.engine.request import SamplingParams
 from split_cluster import BLOCK_SIZE, BYTES_PER_BLOCK, LEASE_S, VOCAB_SIZE
 

@@ -5,7 +5,7 @@ import pytest
 from router import policy
 from router.flags import RouterConfig, WorkerSpec, build_arg_parser, parse_worker_list, parse_worker_spec
 from router.policy import NoPick, WorkerView
-from shared.serving.wire import LoadReport
+from shared.serving.wire.payloads import LoadReport
 
 
 def view(address, healthy=True, waiting=0, running=0, free=10, total=10, overloaded=False, inflight=0, load=True):

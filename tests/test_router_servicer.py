@@ -23,7 +23,8 @@ from shared.serving.generation import GenerateInput
 from shared.engine.request import SamplingParams
 from shared.serving.text import TextCodec
 from router.workers import WorkerPool, resolve_dns
-from shared.serving import convert, wire
+from shared.serving.wire import convert
+from shared.serving.wire import payloads as wire
 from shared.serving.pod.outcomes import RETRY_AFTER_KEY
 from shared.serving.server.grpc_server import GrpcServer, ServerOptions
 from shared.serving.prefill_client import PrefillClient

@@ -26,7 +26,7 @@ from proto.pdserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from shared.serving import convert
+from shared.serving.wire import convert
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import FinishReason, SamplingParams, StructuredOutputSpec

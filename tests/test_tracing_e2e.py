@@ -13,7 +13,7 @@ import pytest
 from pdserve.client import build_generate_request
 from pdserve.launcher import LocalCluster
 from proto.pdserve.v1 import generate_pb2_grpc, prefill_pb2_grpc
-from shared.serving import convert
+from shared.serving.wire import convert
 from shared.engine.request import SamplingParams
 from shared.serving.server.telemetry import SpanAttr
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, children_of

@@ -8,7 +8,7 @@ from typing import AsyncIterator, Callable
 import grpc
 
 from proto.pdserve.v1 import generate_pb2
-from shared.serving import convert
+from shared.serving.wire import convert
 from shared.serving.generation import CallEnded, Generate
 
 

@@ -8,7 +8,8 @@ import grpc
 
 from proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from shared.engine.request import SamplingParams
-from shared.serving import convert, wire
+from shared.serving.wire import convert
+from shared.serving.wire import payloads as wire
 from shared.serving.server.settings import setting
 
 

@@ -10,6 +10,9 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from tokenizers.decoders import ByteLevel, DecodeStream
 
+from shared.engine.gguf_tokenizer import gguf_special_tokens, tokenizer_from_gguf
+from shared.engine.model.fetched_presets import resolve_model_source
+from shared.engine.model.gguf_metadata import GgufMetadata, gguf_path
 from shared.engine.model.preset_files import preset_tokenizer_dir
 from shared.engine.tokenizer import load_tokenizer
 from shared.serving.chat_template import TEMPLATE_FILE, TOKENIZER_CONFIG_FILE, ChatTemplate, ChatTemplateError
@@ -58,11 +61,22 @@ class TextCodec:
     @classmethod
     def from_path(cls, path: str) -> "TextCodec":
         """Loads a tokenizer.json, the tokenizer.json inside a model directory (with the chat template found
-        beside it, where transformers finds it), or a built-in preset's by the preset's name (ValueError if
-        absent)."""
+        beside it, where transformers finds it), a GGUF file's (from its metadata), or a built-in preset's by
+        the preset's name (ValueError if absent; a fetched preset is fetched first)."""
+        path = resolve_model_source(path)
+        gguf = gguf_path(path) if preset_tokenizer_dir(path) is None else None
+        if gguf is not None:
+            return cls.from_gguf(GgufMetadata.open(gguf))
         location = preset_tokenizer_dir(path) or Path(path)
         directory = location if location.is_dir() else location.parent
         return cls(load_tokenizer(location), ChatTemplate.from_directory(directory))
+
+    @classmethod
+    def from_gguf(cls, metadata: GgufMetadata) -> "TextCodec":
+        """The tokenizer and chat template (tokenizer.chat_template) of a GGUF file's metadata."""
+        source = metadata.get("tokenizer.chat_template")
+        template = ChatTemplate(source, gguf_special_tokens(metadata)) if source else None
+        return cls(tokenizer_from_gguf(metadata), template)
 
     @property
     def tokenizer(self) -> Tokenizer:

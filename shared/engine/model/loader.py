@@ -13,7 +13,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from shared.engine.gguf_tokenizer import tokenizer_from_gguf
 from shared.engine.model.checkpoint_json import read_json_object
+from shared.engine.model.dtype_choice import DTYPE_AUTO, DTYPE_CHOICES, auto_dtype
+from shared.engine.model.fetched_presets import FETCHED_PRESETS, resolve_model_source
+from shared.engine.model.gguf_metadata import GgufMetadata, gguf_path
+from shared.engine.model.gguf_weights import read_gguf_weights
 from shared.engine.model.generation_config import GENERATION_CONFIG_AUTO, GenerationDefaults, generation_defaults
 from shared.engine.model.model_config import LARGE_PRESETS, PRESETS, ModelArchConfig, preset
 from shared.engine.model.llama import LlamaModel
@@ -23,8 +28,6 @@ from shared.engine.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 INIT_STD = 0.02
-DTYPE_AUTO = "auto"
-DTYPE_CHOICES = (DTYPE_AUTO, "float32", "bfloat16")
 
 
 @dataclass
@@ -38,30 +41,60 @@ class LoadedModel:
 def load_model(source: str | Path, dtype: str | None = DTYPE_AUTO, seed: int = 0,
                device: torch.device | str = "cpu", generation_config: str = GENERATION_CONFIG_AUTO,
                generation_overrides: dict[str, Any] | None = None) -> LoadedModel:
-    """source: a preset name ("tiny", "100m") for random weights from seed, or an HF model directory.
-    dtype: "float32", "bfloat16", or "auto" (None too): the checkpoint's own dtype when the model will run
-    on a GPU, float32 on the CPU (where bfloat16 matmuls are slower, and float32 matches transformers).
+    """source: a preset name ("tiny", "100m") for random weights from seed, "smollm2-135m" (a real model,
+    fetched at first use), an HF model directory, or a GGUF file (or a directory holding one).
+    dtype: "float32", "bfloat16", or "auto" (None too): see dtype_choice.auto_dtype.
     generation_config: "auto" takes generation_config.json's sampling defaults, "vllm" ignores them, a
     folder's path takes those of its generation_config.json; generation_overrides (that file's field
     names) go on top."""
-    requested = dtype
-    dtype = _resolve_dtype(dtype, device)
-    loaded = _load(source, dtype, seed, device, generation_config, generation_overrides)
-    how = "as asked" if requested not in (None, DTYPE_AUTO) else f"auto on {torch.device(device).type}"
+    if dtype not in (None, *DTYPE_CHOICES):
+        raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
+    source = resolve_model_source(str(source)) if isinstance(source, str) else source
+    gguf = None if isinstance(source, str) and source in PRESETS else gguf_path(source)
+    metadata = GgufMetadata.open(gguf) if gguf is not None else None
+    if dtype in (None, DTYPE_AUTO):
+        native = metadata.float_type if metadata is not None else _checkpoint_dtype(source)
+        dtype, how = auto_dtype(native, device)
+        how = f"auto: {how}"
+    else:
+        how = "as asked"
+    if metadata is not None:
+        loaded = _load_gguf(metadata, dtype, generation_config, generation_overrides)
+    else:
+        loaded = _load(source, dtype, seed, device, generation_config, generation_overrides)
     logger.info("model %s: dtype %s (%s)", loaded.config.name, loaded.config.dtype, how)
     return loaded
 
 
-def _resolve_dtype(dtype: str | None, device: torch.device | str) -> str | None:
-    """A concrete dtype, or None for the checkpoint's own."""
-    if dtype not in (None, *DTYPE_CHOICES):
-        raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
-    if dtype in (None, DTYPE_AUTO):
-        return None if torch.device(device).type == "cuda" else "float32"
-    return dtype
+def _checkpoint_dtype(source: str | Path) -> str:
+    """The dtype a preset or an HF directory's config.json declares (float32 when it declares none)."""
+    if isinstance(source, str) and source in PRESETS:
+        return PRESETS[source].dtype
+    config_path = Path(source) / "config.json"
+    if not config_path.is_file():
+        return "float32"  # _load refuses the source with its own message
+    hf = read_json_object(config_path)
+    declared = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+    return {"float": "float32", "half": "float16"}.get(declared, declared)
 
 
-def _load(source: str | Path, dtype: str | None, seed: int, device: torch.device | str,
+def _load_gguf(metadata: GgufMetadata, dtype: str, generation_config: str,
+               generation_overrides: dict[str, Any] | None) -> LoadedModel:
+    """A GGUF file: config, tokenizer and weights from the one file (its metadata), dequantized to dtype."""
+    config = ModelArchConfig.from_hf_dict(metadata.hf_config(), name=metadata.path.stem, dtype=dtype)
+    model = LlamaModel(config)
+    load_hf_weights(model, read_gguf_weights(metadata, config.num_heads, config.num_kv_heads, config.torch_dtype))
+    try:
+        tokenizer = tokenizer_from_gguf(metadata)
+    except ValueError as exc:
+        logger.warning("%s: serving token ids only", exc)
+        tokenizer = None
+    return LoadedModel(config=config, model=model.eval(), tokenizer=tokenizer,
+                       generation=generation_defaults(config.eos_token_ids, None, generation_config,
+                                                      generation_overrides))
+
+
+def _load(source: str | Path, dtype: str, seed: int, device: torch.device | str,
           generation_config: str, generation_overrides: dict[str, Any] | None) -> LoadedModel:
     if isinstance(source, str) and source in PRESETS:
         config = preset(source, dtype)
@@ -76,7 +109,8 @@ def _load(source: str | Path, dtype: str | None, seed: int, device: torch.device
                                                           generation_overrides))
     path = Path(source)
     if not path.is_dir():
-        raise ValueError(f"model {str(source)!r} is neither a built-in ({sorted(PRESETS)}) nor a directory")
+        raise ValueError(f"model {str(source)!r} is neither a built-in ({sorted([*PRESETS, *FETCHED_PRESETS])}), "
+                         f"a directory, nor a .gguf file")
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{path} has no config.json")

@@ -9,9 +9,9 @@ from typing import AsyncIterator
 
 from proto.pdserve.v1 import kv_events_pb2_grpc
 from shared.engine.kv_cache.events import DEFAULT_MAX_PENDING_EVENTS, KvEvent, KvEventKind, KvEventLog
-from shared.serving import convert
+from shared.serving.wire import convert
 from shared.serving.pod.servicer import PodServicer
-from shared.serving.wire import KvEventUpdate
+from shared.serving.wire.payloads import KvEventUpdate
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
-from shared.serving.wire import LoadReport, PrefillKvSource
+from shared.serving.wire.payloads import LoadReport, PrefillKvSource
 from shared.engine.llm_engine import LLMEngine
 from shared.serving.pod.engine_thread import EngineLoop, RequestStream
 from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
@@ -58,9 +58,12 @@ class PodConfig:
     """Settings of one pod: the engine configs it runs with, and the pod's own. Each field with
     setting() metadata is a command-line flag (shared/serving/server/settings.py)."""
 
-    model: str = field(default="tiny", metadata=setting("built-in preset (tiny, 100m) or an HF model directory"))
+    model: str = field(default="tiny", metadata=setting(
+        "built-in preset (tiny, 100m: random weights; smollm2-135m: fetched at first use), an HF model "
+        "directory, or a GGUF file (or a directory holding one)"))
     dtype: str = field(default=DTYPE_AUTO, metadata=setting(
-        "model and KV dtype; auto: the checkpoint's dtype on a GPU, float32 on the CPU", choices=DTYPE_CHOICES
+        "model and KV dtype; auto: the checkpoint's dtype on a GPU; on the CPU bfloat16 where it has "
+        "AVX512-BF16 or AMX and the checkpoint is bfloat16, float16 or quantized, else float32", choices=DTYPE_CHOICES
     ))
     seed: int = field(default=0, metadata=setting(
         "seed of the built-in random weights (prefill and decode must agree)"
