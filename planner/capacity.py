@@ -164,22 +164,24 @@ class DecodeCapacity:
         if tier.num_pods and tier.kv_blocks_total:
             self.blocks_per_pod = tier.kv_blocks_total / tier.num_pods
         batch, step_s = tier.mean_batch, tier.mean_step_s
-        if batch is not None and step_s is not None and self.context_blocks is not None:
-            self.model.update(batch, self.context_blocks, step_s, float(tier.num_steps), interval_s)
+        if batch is not None and step_s is not None:
+            # Pods idle at the scrape show no context yet: the batch term learns first, the context one later.
+            self.model.update(batch, self.context_blocks or 0.0, step_s, float(tier.num_steps), interval_s)
         is_busy = tier.num_pods > 0 and tier.busy_s / (tier.num_pods * interval_s) > 0.5
         self.correction.update(tier.latency_p90_s, target_s, is_busy)
 
     def batch_at_target(self, step_budget_s: float) -> tuple[float, str] | None:
         """The largest batch within the step budget (and the KV pool), with what limits it."""
-        if self.model.coefficients is None or self.context_blocks is None:
+        if self.model.coefficients is None:
             return None
+        context = self.context_blocks or 0.0
         fixed_s, per_request_s, per_context_s = self.model.coefficients
-        slope = per_request_s + per_context_s * self.context_blocks
+        slope = per_request_s + per_context_s * context
         batch = (step_budget_s - fixed_s) / slope if slope > 0 else math.inf
         limit = "ITL"
         if self.blocks_per_pod:
             # A request's blocks grow while it decodes: leave room for 1.5x the mean.
-            kv_batch = 0.9 * self.blocks_per_pod / (1.5 * max(self.context_blocks, 1.0))
+            kv_batch = 0.9 * self.blocks_per_pod / (1.5 * max(context, 1.0))
             if kv_batch < batch:
                 batch, limit = kv_batch, "KV pool"
         return max(batch, 1.0), limit
@@ -189,11 +191,12 @@ class DecodeCapacity:
         if found is None:
             return None
         batch, limit = found
-        step_s = self.model.step_s(batch, self.context_blocks) or target_s
+        context = self.context_blocks or 0.0
+        step_s = self.model.step_s(batch, context) or target_s
         tokens_per_s = batch / max(step_s, 1e-6) * self.correction.factor
         a, c, d = self.model.coefficients
         return Capacity(tokens_per_s, (
             f"step = {a * 1000:.1f} ms + {c * 1000:.2f} ms/request + {d * 1e6:.1f} us/(request*block), "
-            f"{self.context_blocks:.0f} blocks/request: batch {batch:.1f} ({limit} bound), step {step_s * 1000:.1f} ms"
+            f"{context:.0f} blocks/request: batch {batch:.1f} ({limit} bound), step {step_s * 1000:.1f} ms"
             + (f", latency correction {self.correction.factor:.2f}" if self.correction.factor < 1 else "")
         ))

@@ -390,7 +390,7 @@ def test_http_middleware_spans_traced_routes_only_and_marks_server_errors() -> N
     from starlette.routing import Route
     from starlette.testclient import TestClient
 
-    from shared.serving.server.telemetry import HttpTracingMiddleware
+    from shared.serving.server.http_tracing import HttpTracingMiddleware
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

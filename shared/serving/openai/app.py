@@ -18,7 +18,7 @@ from shared.serving.openai import chat, completions, models, responses
 from shared.serving.openai.config import CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, RESPONSES_PATH, HttpConfig
 from shared.serving.openai.errors import http_exception, internal_error
 from shared.serving.openai.state import NO_TRACER, FrontState
-from shared.serving.server.telemetry import HttpTracingMiddleware
+from shared.serving.server.http_tracing import HttpTracingMiddleware
 from shared.serving.text import TextCodec
 
 # path -> (endpoint, method); each endpoint takes the FrontState and the request.
