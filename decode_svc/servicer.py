@@ -14,7 +14,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from shared.serving.wire import convert
+from shared.serving.wire.common import load_report_to_proto
+from shared.serving.wire.decode import check_not_past_max_tokens, decode_chunk_to_proto, decode_request_from_proto
 from shared.serving.wire import payloads as wire
 from shared.serving.pod.engine_thread import RequestStream
 from shared.serving.pod.outcomes import (
@@ -90,11 +91,11 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
     async def Decode(self, request, context: grpc.aio.ServicerContext):
         async with await self.start_call(context, None) as call:
             with invalid_on_value_error():
-                work = convert.decode_request_from_proto(request, vocab_size=self.pod.vocab_size)
+                work = decode_request_from_proto(request, vocab_size=self.pod.vocab_size)
                 # Generated tokens count against max_tokens, so prompt + max_tokens bounds the whole sequence.
                 sampling = self.pod.fill_sampling(work.sampling, len(work.prompt_token_ids))
                 work = dataclasses.replace(work, sampling=sampling)
-                convert.check_not_past_max_tokens(work.generated_token_ids, work.sampling)
+                check_not_past_max_tokens(work.generated_token_ids, work.sampling)
             call.span.set_attribute(SpanAttr.REQUEST_ID, work.request_id)
             call.span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(work.prompt_token_ids))
             if len(work.generated_token_ids) == work.sampling.max_tokens:
@@ -132,7 +133,7 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
                         raise KvUnusable(self._failure_message(work.request_id, pull_stats))
                     if finish_reason is not None:
                         call.finish(finish_reason)
-                    yield convert.decode_chunk_to_proto(chunk)
+                    yield decode_chunk_to_proto(chunk)
                 if finish_reason is None:
                     raise PodUnavailable("the pod stopped before the request finished")
             finally:
@@ -147,7 +148,7 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
             self._checked_prompt_digest(work)
             self.sources.release_quietly(work.handle, work.request_id)
         call.finish(FinishReason.LENGTH)
-        return convert.decode_chunk_to_proto(wire.DecodeChunk(finish_reason=FinishReason.LENGTH))
+        return decode_chunk_to_proto(wire.DecodeChunk(finish_reason=FinishReason.LENGTH))
 
     def _report_pull(self, work: wire.DecodeInput, early_stats: KvPullStats) -> KvPullStats:
         """The pull's statistics, once its first output is ready: metrics (by UCX transport) and the kv-pull span."""
@@ -306,5 +307,5 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
     async def GetLoad(self, request, context):
         await self.require_pod(context)
         return common_pb2.GetLoadResponse(
-            load=convert.load_report_to_proto(self.pod.load_report()), engine_id=self.pod.engine_id
+            load=load_report_to_proto(self.pod.load_report()), engine_id=self.pod.engine_id
         )
