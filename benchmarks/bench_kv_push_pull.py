@@ -124,7 +124,7 @@ def _serve(agent, tensors, conn) -> int:
 def _transfer(agent, tensors, conn, op: str, peer_name: str, runs: list[tuple[list[int], list[int]]],
               notif: bool) -> list[float]:
     """Post each (local ids, remote ids) transfer in turn and time it to DONE; seconds per transfer."""
-    from shared.engine.kv_transfer.transfer_agent import TransferState
+    from shared.engine.kv_transfer.transfer import TransferState
 
     seconds = []
     for local_ids, remote_ids in runs:
@@ -272,7 +272,7 @@ def run(device: str, tokens: list[int], layers: int, repeats: int, raw: bool,
         save: Callable[[dict], None] = lambda report: None) -> dict:
     """Measure the raw case (the target's) first, then the handoff sizes; save(report) after each
     row, so a run cut short by a time limit still leaves what it measured."""
-    from shared.engine.kv_transfer.transfer_agent import recommended_environment
+    from shared.engine.kv_transfer.nixl_loading import recommended_environment
 
     # Children inherit the environment at spawn, before they import torch or create an agent.
     os.environ.update(recommended_environment(uses_cuda=device == "cuda"))

@@ -117,7 +117,8 @@ def _time_interleaved(runs: dict[str, Callable[[int], None]], repeats: int, hot:
 def _decode_main(conn, repeats: int, hot: bool) -> None:
     import torch
 
-    from shared.engine.kv_transfer.transfer_agent import KvTransferAgent, TransferState
+    from shared.engine.kv_transfer.transfer import TransferState
+    from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
 
     # One thread, as the READ itself (UCX copies in the calling thread): on 2 busy cores torch's
     # parallel copy_ mostly measures thread hand-off jitter.

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from shared.engine.kv_transfer.handle import KvSource
-from shared.engine.kv_transfer.transfer_agent import KvTransferAgent, _nixl_api
+from shared.engine.kv_transfer.nixl_loading import nixl_api
+from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class TransportProbe:
     """One NIXL agent with a small scratch buffer; probes run one at a time (call from a worker thread)."""
 
     def __init__(self, port_range: str, timeout_s: float = PROBE_TIMEOUT_S):
-        nixl_agent, nixl_agent_config = _nixl_api()
+        nixl_agent, nixl_agent_config = nixl_api()
         self.port_range = port_range
         self.timeout_s = timeout_s
         self._lock = threading.Lock()

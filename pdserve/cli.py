@@ -73,7 +73,7 @@ def _version() -> str:
 
 def _set_transfer_environment() -> None:
     """Before torch and NIXL load: huge pages for the KV pool, CUDA IPC READs on a GPU (both are read once)."""
-    from shared.engine.kv_transfer.transfer_agent import recommended_environment
+    from shared.engine.kv_transfer.nixl_loading import recommended_environment
 
     uses_cuda = os.path.exists("/dev/nvidia0")
     for name, value in recommended_environment(uses_cuda=uses_cuda).items():

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from shared.engine.kv_transfer.handle import KvLayout, KvRegion, KvSource
-from shared.engine.kv_transfer.transfer_agent import (
+from shared.engine.kv_transfer.nixl_loading import nixl_module_names
+from shared.engine.kv_transfer.pool_layout import (
     KvLayoutMismatchError,
-    _check_compatible,
-    _describe_pool,
-    _Pool,
+    PoolLayout,
+    check_compatible,
+    describe_pool,
     nixl_memory_type,
-    nixl_module_names,
 )
 from shared.serving.wire import convert
 from shared.serving.wire import payloads as wire
@@ -33,12 +33,12 @@ def test_cpu_is_dram_and_cuda_is_vram_with_its_device_index():
 
 def test_cpu_pool_is_described_as_dram_regions():
     tensors = [torch.zeros((4, 16, 8, 128), dtype=torch.bfloat16) for _ in range(4)]
-    pool = _describe_pool(tensors)
+    pool = describe_pool(tensors)
     assert pool.mem_type == "DRAM"
     assert [region.device_id for region in pool.regions] == [0, 0, 0, 0]
     assert pool.block_bytes == 16 * 8 * 128 * 2 and pool.num_blocks == 4
     with pytest.raises(ValueError, match="cpu or cuda only"):
-        _describe_pool([torch.zeros((4, 16), device="meta")])
+        describe_pool([torch.zeros((4, 16), device="meta")])
 
 
 def test_vram_source_round_trips_with_memory_type_and_device_ids():
@@ -50,8 +50,8 @@ def test_vram_source_round_trips_with_memory_type_and_device_ids():
     assert {region.device_id for region in decoded.source.regions} == {1}
 
 
-def _pool(mem_type: str) -> _Pool:
-    return _Pool(mem_type, tuple(KvRegion(0x1000 * (i + 1), 4096, 0) for i in range(4)), 256, 16)
+def _pool(mem_type: str) -> PoolLayout:
+    return PoolLayout(mem_type, tuple(KvRegion(0x1000 * (i + 1), 4096, 0) for i in range(4)), 256, 16)
 
 
 def _source(mem_type: str) -> KvSource:
@@ -61,12 +61,12 @@ def _source(mem_type: str) -> KvSource:
 @pytest.mark.parametrize("local, remote", [("DRAM", "VRAM"), ("VRAM", "DRAM")])
 def test_a_dram_vram_pair_is_a_layout_mismatch_naming_both(local, remote):
     with pytest.raises(KvLayoutMismatchError, match=f"in {remote}, this pool is in {local}.*same --device"):
-        _check_compatible(_pool(local), _source(remote))
+        check_compatible(_pool(local), _source(remote))
 
 
 def test_same_memory_type_pairs_are_compatible():
     for mem_type in ("DRAM", "VRAM"):
-        _check_compatible(_pool(mem_type), _source(mem_type))  # no exception
+        check_compatible(_pool(mem_type), _source(mem_type))  # no exception
 
 
 def test_nixl_wheel_for_torchs_cuda_major_comes_first():

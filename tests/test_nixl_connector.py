@@ -322,7 +322,7 @@ def test_a_short_handle_key_is_refused():
 def test_a_pull_is_used_only_when_prefill_confirms_its_hold(clock, intact, outcome):
     from types import SimpleNamespace
 
-    from shared.engine.kv_transfer.transfer_agent import TransferState
+    from shared.engine.kv_transfer.transfer import TransferState
 
     consumer = _consumer(clock)
     request = _decode_request(_handle(clock))

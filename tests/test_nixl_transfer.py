@@ -12,14 +12,10 @@ import pytest
 import torch
 
 from shared.engine.kv_transfer.block_runs import BlockRun, coalesce_block_runs
-from shared.engine.kv_transfer.transfer_agent import (
-    KvLayoutMismatchError,
-    KvTransferAgent,
-    KvTransferError,
-    TransferState,
-    UnknownPeerError,
-    recommended_environment,
-)
+from shared.engine.kv_transfer.nixl_loading import recommended_environment
+from shared.engine.kv_transfer.pool_layout import KvLayoutMismatchError
+from shared.engine.kv_transfer.transfer import KvTransferError, TransferState, UnknownPeerError
+from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
 
 pytestmark = pytest.mark.e2e
 

@@ -14,12 +14,10 @@ import time
 import pytest
 import torch
 
-from shared.engine.kv_transfer.transfer_agent import (
-    KvLayoutMismatchError,
-    KvTransferAgent,
-    TransferState,
-    recommended_environment,
-)
+from shared.engine.kv_transfer.nixl_loading import recommended_environment
+from shared.engine.kv_transfer.pool_layout import KvLayoutMismatchError
+from shared.engine.kv_transfer.transfer import TransferState
+from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
 
 pytestmark = [
     pytest.mark.gpu,

@@ -257,11 +257,21 @@ class Request:
             raise ValueError(f"request {request_id!r}: num_prior_output_tokens must be in [0, prompt length)")
         self.num_prior_output_tokens = num_prior_output_tokens
 
-        self.status = RequestStatus.WAITING
-        self.stop_reason: int | str | None = None
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        self._start_progress()
+        # Stop set: EOS (unless ignored) plus stop tokens, checked once per sampled token.
+        stop_ids = set(sampling_params.stop_token_ids)
+        if eos_token_id is not None and not sampling_params.ignore_eos:
+            stop_ids.add(eos_token_id)
+        self._stop_ids = frozenset(stop_ids)
+        self.max_tokens = sampling_params.max_tokens
+
+    def _start_progress(self) -> None:
+        """Lifecycle and progress at their start: waiting, nothing computed, nothing in flight."""
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []
         # Chained prefix-cache hashes of the full blocks so far (filled by the KV-cache manager).
@@ -280,12 +290,6 @@ class Request:
         self.num_pending_computed_tokens = 0
         # Multimodal inputs whose encoder output exists (scheduled at least once).
         self.encoder_inputs_done: set[int] = set()
-        # Stop set: EOS (unless ignored) plus stop tokens, checked once per sampled token.
-        stop_ids = set(sampling_params.stop_token_ids)
-        if eos_token_id is not None and not sampling_params.ignore_eos:
-            stop_ids.add(eos_token_id)
-        self._stop_ids = frozenset(stop_ids)
-        self.max_tokens = sampling_params.max_tokens
 
     # ---- tokens -------------------------------------------------------------------------
     @property

@@ -15,7 +15,7 @@ from shared.engine.kv_transfer.handle import (
 )
 from shared.engine.kv_transfer.handoff import PullFromPeer
 from shared.engine.kv_transfer.nixl_connector import NixlConnector
-from shared.engine.kv_transfer.transfer_agent import KvTransfer, KvTransferError, TransferState
+from shared.engine.kv_transfer.transfer import KvTransfer, KvTransferError, TransferState
 from shared.engine.request import Request
 
 logger = logging.getLogger(__name__)

@@ -1,188 +1,34 @@
 """The NIXL data plane for the KV handoff: one agent per engine, its registered KV pool, block READs.
 
-This module moves bytes only; who holds which blocks and when they are confirmed is the connector's job.
-
-Composition root, before torch is imported: ``os.environ.update(recommended_environment(uses_cuda=...))``
-(huge pages for CPU pools; cuda_ipc READs on a GPU without NVLink, which UCX otherwise routes over TCP).
-
-Prefill pod (the side being read from), once at start-up::
-
-    agent = KvTransferAgent(KvTransferAgent.unique_name("prefill"))
-    source = agent.register_kv_caches(kv_tensors)   # every layer's K and V, same shape each
-    # GetKvSource answers with source: agent_name, agent_metadata, mem_type, regions,
-    # block_bytes, num_blocks (KvSource is plain data; map it to proto in convert.py).
-
-  and in every engine-loop iteration while it holds blocks for a peer::
-
-    for peer_name, messages in agent.get_notifs().items():
-        ...  # each message is the notif_msg (request id bytes) of a READ that peer completed
-
-  With the progress thread off, UCX advances only inside calls into the agent, so call this every
-  step: a READ that asked for a notification is DONE only after this side's next call.
-
-Decode pod (the side that reads), once per prefill engine (cache by agent name)::
-
-    agent = KvTransferAgent(KvTransferAgent.unique_name("decode"))
-    agent.register_kv_caches(kv_tensors)
-    if not agent.has_peer(source.agent_name):   # add_peer() is also free when already added
-        agent.add_peer(source)   # (re)loads it, also after a failure; KvLayoutMismatchError, KvTransferError
-
-  per request, for the blocks that are not in its own prefix cache::
-
-    transfer = agent.read_blocks(source.agent_name, remote_block_ids, local_block_ids,
-                                 notif_msg=request_id.encode())   # or None: no notification
-    ...  # each engine step:
-    state = agent.poll(transfer)          # TransferState.DONE / PENDING / ERROR, never blocks
-    if state is not TransferState.PENDING:
-        agent.release(transfer)           # then ReleaseKv to prefill on DONE; recompute/fail on ERROR
-    # transfer.num_bytes, num_blocks, num_descriptors, seconds, gb_per_s feed spans and metrics.
-
-  read_blocks raises ValueError for bad block ids, UnknownPeerError for a peer never added (or
-  removed), KvTransferError when NIXL refuses the READ (a peer that exited: NIXL_ERR_REMOTE_DISCONNECT).
-  A failed READ marks the peer failed (has_peer() turns False) and read_blocks refuses it until
-  add_peer() reloads it, which raises KvTransferError while the peer stays unreachable (repeated
-  posts to a disconnected peer are a crash path in NIXL's UCX backend; see ai-dynamo/nixl#1868).
-  A PENDING READ abandoned at a deadline must be release()d; if that returns False NIXL could not
-  cancel it, so the local blocks may still be written: keep them and retry the release later.
-  On CPU pools UCX copies with process_vm_readv (cma) inside read_blocks itself: the call returns
-  after the bytes moved (about 1 ms per 8 MiB on a 2-core VM), so post one READ per request.
-
-write_blocks(peer_name, local_block_ids, remote_block_ids, notif_msg) is the mirror (a push into
-  the peer's blocks, polled and released the same way); only the KV transfer benchmark uses it.
-
-Memory: tensors may be CPU (registered as "DRAM") or CUDA ("VRAM", with the tensor's device index;
-nixl_memory_type); KvSource carries both, and a peer whose pool is in the other kind of memory is a
-KvLayoutMismatchError. Two processes on one GPU then move VRAM with UCX's cuda_ipc (the reader
-opens an IPC handle of the peer's allocation and copies on the device).
-Every tensor is [num_blocks, ...] and contiguous, so block b of a tensor is the byte range
-[b * block_bytes, (b + 1) * block_bytes) from its base address. The agent keeps the tensors alive
-until close(): freeing registered memory first corrupts the heap when NIXL tears down.
+It moves bytes only; who holds which blocks and when they are confirmed is the connector's job.
+How each pod uses it, its errors and its memory rules: docs/kv-transfer-agent.md.
 """
 from __future__ import annotations
 
 import collections
-import enum
-import importlib
 import logging
-import sys
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from shared.engine.kv_transfer.block_runs import as_block_id_array, coalesce_block_run_arrays
-from shared.engine.kv_transfer.handle import KvRegion, KvSource
+from shared.engine.kv_transfer.handle import KvSource
+from shared.engine.kv_transfer.nixl_loading import nixl_api
+from shared.engine.kv_transfer.pool_layout import (
+    PoolLayout, check_block_ids, check_compatible, describe_pool, region_arrays, run_descs,
+)
+from shared.engine.kv_transfer.transfer import KvTransfer, KvTransferError, TransferState, UnknownPeerError
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
 
-_MEM_TYPES = ("DRAM", "VRAM")
 # Notifications progress() keeps per peer for get_notifs(); older ones are dropped, so a side that
 # only calls progress() (and never reads them) does not grow without bound.
 MAX_KEPT_NOTIFS_PER_PEER = 4096
-
-
-def recommended_environment(*, uses_cuda: bool) -> dict[str, str]:
-    """Variables to set before torch is imported and any agent exists (both read them once)."""
-    environment = {"THP_MEM_ALLOC_ENABLE": "1"}  # torch puts large CPU tensors on huge pages
-    if uses_cuda:
-        # UCX disables cuda_ipc READs between processes unless NVLink is detected, then falls back
-        # to TCP: on one H200 that was 0.5 GB/s instead of 125 GB/s for 128 MiB.
-        environment["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"
-    return environment
-
-
-class KvTransferError(RuntimeError):
-    """NIXL refused or failed an operation (peer gone, memory not registered, backend error)."""
-
-
-class UnknownPeerError(KvTransferError):
-    """The peer was never added, or was removed."""
-
-
-class KvLayoutMismatchError(ValueError):
-    """A peer's KV pool cannot exchange blocks with ours (memory type, tensor count or block size differ)."""
-
-
-class TransferState(str, enum.Enum):
-    PENDING = "pending"
-    DONE = "done"
-    ERROR = "error"
-
-
-@dataclass
-class KvTransfer:
-    """One posted READ (or WRITE): its accounting, and the NIXL handle until release()."""
-
-    peer_name: str
-    notif_msg: bytes  # b"" when no notification was asked for
-    num_blocks: int
-    num_runs: int
-    num_descriptors: int
-    num_bytes: int
-    started_at: float  # time.monotonic()
-    finished_at: float | None = None
-    state: TransferState = TransferState.PENDING
-    error: str | None = None
-    op: str = "READ"  # READ pulls the peer's blocks into ours; WRITE pushes ours into the peer's
-    handle: Any = field(default=None, repr=False)
-
-    @property
-    def is_released(self) -> bool:
-        return self.handle is None
-
-    @property
-    def seconds(self) -> float | None:
-        """Wall time from read_blocks() to the poll() that saw it finish; None while pending."""
-        if self.finished_at is None:
-            return None
-        return self.finished_at - self.started_at
-
-    @property
-    def gb_per_s(self) -> float | None:
-        seconds = self.seconds
-        if seconds is None or self.state is not TransferState.DONE or seconds <= 0:
-            return None
-        return self.num_bytes / seconds / 1e9
-
-
-@dataclass(frozen=True)
-class _Pool:
-    """Layout of a KV pool, local or a peer's."""
-
-    mem_type: str
-    regions: tuple[KvRegion, ...]
-    block_bytes: int
-    num_blocks: int
-
-
-def nixl_module_names(torch_cuda_version: str | None) -> tuple[str, ...]:
-    """NIXL's import names, the one built for torch's CUDA major version first.
-
-    The wheels are named after the CUDA major version they were built for (nixl-cu12 imports as
-    nixl_cu12, nixl-cu13 as nixl_cu13); the API is the same. A CPU torch (version None) takes either.
-    """
-    if torch_cuda_version and torch_cuda_version.split(".")[0] == "13":
-        return "nixl_cu13", "nixl_cu12"
-    return "nixl_cu12", "nixl_cu13"
-
-
-def _nixl_api():
-    # Imported lazily so that importing this module stays cheap and torch-free: torch's CUDA version
-    # is read only if the caller already imported torch (an engine always has).
-    torch_module = sys.modules.get("torch")
-    torch_cuda_version = getattr(getattr(torch_module, "version", None), "cuda", None)
-    for module_name in nixl_module_names(torch_cuda_version):
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        return module.nixl_agent, module.nixl_agent_config
-    raise KvTransferError("NIXL is not installed (pip install nixl-cu12 or nixl-cu13)")
 
 
 class KvTransferAgent:
@@ -200,7 +46,7 @@ class KvTransferAgent:
     def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)):
         if not name:
             raise ValueError("agent name must be a non-empty string")
-        nixl_agent, nixl_agent_config = _nixl_api()
+        nixl_agent, nixl_agent_config = nixl_api()
         # The progress thread stays off: on a small machine it competes with the engine for CPU;
         # progress is driven from the engine loop instead (poll/progress/get_notifs).
         config = nixl_agent_config(enable_prog_thread=False, backends=list(backends))
@@ -209,12 +55,12 @@ class KvTransferAgent:
         missing = [backend for backend in backends if backend not in self._agent.backends]
         if missing:
             raise KvTransferError(f"NIXL backend(s) {missing} are not available to agent {name!r}")
-        self._pool: _Pool | None = None
+        self._pool: PoolLayout | None = None
         self._source: KvSource | None = None
         self._reg_descs = None
         self._kv_tensors: list = []
         self._peers: dict[str, KvSource] = {}
-        # _region_arrays of our pool and of each peer's, for building descriptors.
+        # region_arrays of our pool and of each peer's, for building descriptors.
         self._local_region_arrays: tuple[np.ndarray, np.ndarray] | None = None
         self._region_arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._failed_peers: set[str] = set()
@@ -232,14 +78,14 @@ class KvTransferAgent:
         self._check_open()
         if self._pool is not None:
             raise ValueError(f"agent {self.name!r} already registered its KV pool")
-        pool = _describe_pool(kv_tensors)
+        pool = describe_pool(kv_tensors)
         descs = [(region.base_address, region.num_bytes, region.device_id, "") for region in pool.regions]
         try:
             self._reg_descs = self._agent.register_memory(descs, pool.mem_type)
         except Exception as exc:  # NIXL raises its own exception types; surface one of ours
             raise KvTransferError(f"registering {len(descs)} KV tensors failed: {exc!r}") from exc
         self._pool = pool
-        self._local_region_arrays = _region_arrays(pool.regions)
+        self._local_region_arrays = region_arrays(pool.regions)
         # Registered memory must outlive the registration: freeing it first corrupts the heap at teardown.
         self._kv_tensors = list(kv_tensors)
         # Fixed from here on; kept so that kv_source() never calls into NIXL from another thread.
@@ -267,7 +113,7 @@ class KvTransferAgent:
         """Load a peer's metadata so blocks can be read from it; a repeat with the same metadata is free."""
         self._check_open()
         pool = self._require_pool()
-        _check_compatible(pool, source)
+        check_compatible(pool, source)
         cached = self._peers.get(source.agent_name)
         if cached is not None:
             is_same = cached.agent_metadata == source.agent_metadata and cached.regions == source.regions
@@ -284,7 +130,7 @@ class KvTransferAgent:
             self._agent.remove_remote_agent(loaded_name)
             raise ValueError(f"metadata belongs to agent {loaded_name!r}, not {source.agent_name!r}")
         self._peers[source.agent_name] = source
-        self._region_arrays[source.agent_name] = _region_arrays(source.regions)
+        self._region_arrays[source.agent_name] = region_arrays(source.regions)
 
     def is_peer_failed(self, peer_name: str) -> bool:
         """A transfer from this peer failed: add_peer() a fresh KvSource before reading again."""
@@ -351,14 +197,14 @@ class KvTransferAgent:
         local_ids = as_block_id_array("local_block_ids", local_block_ids)
         if len(remote_ids) == 0:
             raise ValueError(f"{op} needs at least one block id")
-        _check_block_ids("remote", remote_ids, source.num_blocks)
-        _check_block_ids("local", local_ids, pool.num_blocks)
+        check_block_ids("remote", remote_ids, source.num_blocks)
+        check_block_ids("local", local_ids, pool.num_blocks)
         if op == "WRITE" and len(np.unique(remote_ids)) != len(remote_ids):
             # coalescing checks the local ids, a READ's destination; a WRITE's is the remote side.
             raise ValueError(f"remote_block_ids contains duplicates: {remote_ids.tolist()}")
         runs = coalesce_block_run_arrays(remote_ids, local_ids)
-        local_descs = _run_descs(self._local_region_arrays, pool.block_bytes, runs.local_starts, runs.num_blocks)
-        remote_descs = _run_descs(self._region_arrays[peer_name], source.block_bytes, runs.remote_starts,
+        local_descs = run_descs(self._local_region_arrays, pool.block_bytes, runs.local_starts, runs.num_blocks)
+        remote_descs = run_descs(self._region_arrays[peer_name], source.block_bytes, runs.remote_starts,
                                   runs.num_blocks)
         transfer = KvTransfer(
             peer_name=peer_name,
@@ -518,96 +364,10 @@ class KvTransferAgent:
         if self._is_closed:
             raise KvTransferError(f"agent {self.name!r} is closed")
 
-    def _require_pool(self) -> _Pool:
+    def _require_pool(self) -> PoolLayout:
         if self._pool is None:
             raise KvTransferError(f"agent {self.name!r} has no registered KV pool; call register_kv_caches()")
         return self._pool
-
-
-def _describe_pool(kv_tensors: Sequence["torch.Tensor"]) -> _Pool:
-    if not kv_tensors:
-        raise ValueError("kv_tensors is empty")
-    first = kv_tensors[0]
-    for index, tensor in enumerate(kv_tensors):
-        if tensor.shape != first.shape or tensor.dtype != first.dtype or tensor.device != first.device:
-            raise ValueError(
-                f"kv_tensors[{index}] is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}, "
-                f"kv_tensors[0] is {tuple(first.shape)} {first.dtype} on {first.device}"
-            )
-        if not tensor.is_contiguous():
-            raise ValueError(f"kv_tensors[{index}] is not contiguous")
-    if first.dim() < 1 or first.shape[0] == 0 or first.numel() == 0:
-        raise ValueError(f"kv tensors must be [num_blocks, ...] with num_blocks > 0, got {tuple(first.shape)}")
-    mem_type, device_id = nixl_memory_type(first.device)
-    num_bytes = first.numel() * first.element_size()
-    regions = tuple(KvRegion(tensor.data_ptr(), num_bytes, device_id) for tensor in kv_tensors)
-    return _Pool(mem_type, regions, num_bytes // first.shape[0], first.shape[0])
-
-
-def nixl_memory_type(device: "torch.device") -> tuple[str, int]:
-    """How NIXL names memory on this device: ("DRAM", 0) for the CPU, ("VRAM", index) for a GPU.
-
-    VRAM with the device index lets UCX pick cuda_ipc between processes on one machine (the peer
-    opens an IPC handle of our allocation) instead of staging through host memory.
-    """
-    if device.type == "cpu":
-        return "DRAM", 0
-    if device.type == "cuda":
-        # "cuda" without an index means the current device; torch tensors always carry one.
-        return "VRAM", device.index or 0
-    raise ValueError(f"kv tensors on {device} cannot be registered with NIXL (cpu or cuda only)")
-
-
-def _check_compatible(pool: _Pool, source: KvSource) -> None:
-    if source.mem_type not in _MEM_TYPES:
-        raise ValueError(f"peer {source.agent_name!r} has unknown memory type {source.mem_type!r}")
-    if source.mem_type != pool.mem_type:
-        # Both sides of the handoff keep KV on the same kind of device (a split deployment runs
-        # prefill and decode pods with the same --device); a mixed pair is a misconfiguration, and
-        # its transfers would stage through host memory even if UCX accepted them.
-        raise KvLayoutMismatchError(
-            f"peer {source.agent_name!r} keeps its KV pool in {source.mem_type}, this pool is in "
-            f"{pool.mem_type}: run prefill and decode pods with the same --device"
-        )
-    if len(source.regions) != len(pool.regions):
-        raise KvLayoutMismatchError(
-            f"peer {source.agent_name!r} has {len(source.regions)} KV tensors, this pool has {len(pool.regions)}"
-        )
-    if source.block_bytes != pool.block_bytes:
-        raise KvLayoutMismatchError(
-            f"peer {source.agent_name!r} has {source.block_bytes} bytes per block, this pool has {pool.block_bytes}"
-        )
-    for region in source.regions:
-        if region.num_bytes < source.num_blocks * source.block_bytes:
-            raise ValueError(
-                f"peer {source.agent_name!r} region {region} is smaller than its {source.num_blocks} blocks"
-            )
-
-
-def _check_block_ids(side: str, block_ids: np.ndarray, num_blocks: int) -> None:
-    bad = block_ids[(block_ids < 0) | (block_ids >= num_blocks)]
-    if len(bad):
-        raise ValueError(f"{side} block ids {bad[:8].tolist()} are outside 0..{num_blocks - 1}")
-
-
-def _region_arrays(regions: Sequence[KvRegion]) -> tuple[np.ndarray, np.ndarray]:
-    """(base addresses, device ids) of a pool's tensors as uint64 arrays, made once per pool."""
-    bases = np.array([region.base_address for region in regions], dtype=np.uint64)
-    device_ids = np.array([region.device_id for region in regions], dtype=np.uint64)
-    return bases, device_ids
-
-
-def _run_descs(region_arrays: tuple[np.ndarray, np.ndarray], block_bytes: int, starts: np.ndarray,
-               num_blocks: np.ndarray) -> np.ndarray:
-    """(address, length, device id) rows: for each tensor in order, one row per run."""
-    bases, device_ids = region_arrays
-    offsets = starts.astype(np.uint64) * np.uint64(block_bytes)
-    lengths = num_blocks.astype(np.uint64) * np.uint64(block_bytes)
-    descs = np.empty((len(bases) * len(starts), 3), dtype=np.uint64)
-    descs[:, 0] = (bases[:, None] + offsets[None, :]).ravel()
-    descs[:, 1] = np.tile(lengths, len(bases))
-    descs[:, 2] = np.repeat(device_ids, len(starts))
-    return descs
 
 
 def _release_quietly(handle) -> None:

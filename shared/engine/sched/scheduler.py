@@ -9,6 +9,7 @@ Usage (one per engine):
         runner_out = runner.execute(out)                 # ModelRunnerOutput (+ KVConnectorOutput)
         eco = scheduler.update_from_output(out, runner_out)  # EngineCoreOutputs: tokens, finishes
 Several steps may be in flight: schedule() again before the older output is applied.
+The waiting pass is admission.py's and applying results step_results.py' (the class's bases).
 Collaborators: the KV-cache manager (blocks), RemoteKvTracker (KV crossing engines) and
 EncoderBudget (multimodal inputs per step); a Request applies its own stop conditions.
 """
@@ -21,50 +22,22 @@ from collections.abc import Iterable
 from shared.engine.kv_cache.manager import KVCacheManager, KVCacheUsage
 from shared.engine.kv_transfer.connector import KVConnectorBase, KVLoadFailurePolicy
 from shared.engine.kv_transfer.handoff import HoldForPeer
-from shared.engine.request import DuplicateRequestError, FinishReason, Request, RequestStatus
+from shared.engine.request import DuplicateRequestError, Request, RequestStatus
 from shared.engine.sched.encoder_budget import EncoderBudget
-from shared.engine.sched.output import (
-    CachedRequestData,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    KVConnectorOutput,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from shared.engine.sched.admission import WaitingAdmission
+from shared.engine.sched.output import CachedRequestData, SchedulerOutput
 from shared.engine.sched.remote_kv import RemoteKvTracker
 from shared.engine.sched.stats import SchedulerStats, SpecDecodingStats
+from shared.engine.sched.step_plan import StepPlan
+from shared.engine.sched.step_results import StepResults
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.structured_output import StructuredOutputManager
 
-_EMPTY: list[int] = []
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 
 
-class _StepPlan:
-    """One schedule() call's decisions as the running and waiting passes accumulate them
-    (a plain slotted class: it is built every step)."""
-
-    __slots__ = (
-        "token_budget", "encoder_budget", "num_scheduled_tokens", "spec_decode_tokens", "encoder_inputs",
-        "new_reqs", "cached_ids", "cached_new_blocks", "cached_computed", "preempted",
-    )
-
-    def __init__(self, token_budget: int, encoder_budget: EncoderBudget) -> None:
-        self.token_budget = token_budget
-        self.encoder_budget = encoder_budget
-        self.num_scheduled_tokens: dict[str, int] = {}
-        self.spec_decode_tokens: dict[str, list[int]] = {}
-        self.encoder_inputs: dict[str, list[int]] = {}
-        self.new_reqs: list[NewRequestData] = []
-        self.cached_ids: list[str] = []
-        self.cached_new_blocks: list[list[int] | None] = []
-        self.cached_computed: list[int] = []
-        self.preempted = False
-
-
-class Scheduler:
+class Scheduler(WaitingAdmission, StepResults):
     """Decides each step which requests compute how many tokens, and applies the results."""
 
     # Async scheduling (AsyncScheduler) books output placeholders for steps in flight.
@@ -203,7 +176,7 @@ class Scheduler:
 
     # ---- schedule -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(
+        plan = StepPlan(
             self.max_num_scheduled_tokens,
             EncoderBudget(self.max_num_encoder_input_tokens, self.scheduler_config.disable_chunked_mm_input),
         )
@@ -214,7 +187,7 @@ class Scheduler:
             self._schedule_waiting(plan)
         return self._build_output(plan)
 
-    def _schedule_running(self, plan: _StepPlan, now: float) -> None:
+    def _schedule_running(self, plan: StepPlan, now: float) -> None:
         """Running requests first, in arrival order; the tail is preempted under KV pressure."""
         threshold = self.scheduler_config.long_prefill_token_threshold
         max_model_len = self.max_model_len
@@ -263,7 +236,7 @@ class Scheduler:
             num_spec = self._take_spec_tokens(plan, request, num_computed, num_new) if request.spec_token_ids else 0
             commit(plan, request, num_computed, num_new, encoder_indices, num_spec)
 
-    def _take_spec_tokens(self, plan: _StepPlan, request: Request, num_computed: int, num_new: int) -> int:
+    def _take_spec_tokens(self, plan: StepPlan, request: Request, num_computed: int, num_new: int) -> int:
         """Move the draft tokens this step verifies into the plan; their count."""
         num_spec = num_new + num_computed - request.num_tokens - request.num_output_placeholders
         if num_spec > 0:
@@ -271,111 +244,9 @@ class Scheduler:
         request.spec_token_ids = []
         return max(num_spec, 0)
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
-        """Admit waiting requests (new, resumed, or whose remote KV landed) in arrival order."""
-        waiting = self.waiting
-        skipped: list[Request] = []
-        while waiting and plan.token_budget > 0 and len(self.running) < self.max_num_running_reqs:
-            request = waiting[0]
-            if not self._is_ready(request):
-                skipped.append(waiting.popleft())
-                continue
-            admitted = self._admit(plan, request)
-            if admitted is None:
-                break
-            waiting.popleft()
-            if not admitted:
-                skipped.append(request)  # its KV is loading
-        if skipped:
-            waiting.extendleft(reversed(skipped))
-
-    def _is_ready(self, request: Request) -> bool:
-        """Whether a waiting request may be admitted now (the waiting pass steps over it if not)."""
-        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not self.remote_kv.promote(request):
-            return False
-        # Stale output still to deliver (resuming now would resample those positions), or a
-        # grammar still compiling.
-        if request.num_stale_output_tokens and not request.drop_stale_output:
-            return False
-        return self.structured_output_manager.is_ready(request)
-
-    def _admit(self, plan: _StepPlan, request: Request) -> bool | None:
-        """Give one waiting request its blocks: True when it runs this step, False when it waits for
-        its KV to load, None when it does not fit (the waiting pass stops there)."""
-        kv = self.kv_cache_manager
-        threshold = self.scheduler_config.long_prefill_token_threshold
-        req_id = request.request_id
-        if kv.has_blocks(req_id):  # its remote KV landed
-            hit_blocks, num_local, num_external, load_async = None, 0, 0, False
-            num_computed = request.num_computed_tokens
-        else:
-            hit_blocks, num_local, num_external, load_async = self._find_computed_tokens(request)
-            num_computed = num_local + num_external
-        encoder_indices = None
-        if load_async and num_external > 0:
-            num_new = 0
-        else:
-            load_async = False
-            num_new = request.num_tokens - num_computed
-            if num_new <= 0:
-                # The last token is always computed here so that the step samples.
-                num_external -= 1 - num_new
-                num_computed = request.num_tokens - 1
-                num_new = 1
-            if 0 < threshold < num_new:
-                num_new = threshold
-            if num_new > plan.token_budget:
-                if not self.scheduler_config.enable_chunked_prefill:
-                    return None
-                num_new = plan.token_budget
-            if request.mm_positions:
-                num_new, encoder_indices = plan.encoder_budget.schedule(request, num_computed, num_new)
-            if num_new <= 0:
-                return None
-        new_block_ids = kv.allocate_slots(
-            request,
-            num_new,
-            num_new_computed_tokens=num_local,
-            new_computed_blocks=hit_blocks,
-            num_external_computed_tokens=num_external,
-            delay_cache_blocks=load_async,
-        )
-        if new_block_ids is None:
-            return None
-        if self.connector is not None:
-            self.connector.update_state_after_alloc(request, kv.get_block_ids(req_id), num_external)
-        if load_async:
-            self.remote_kv.start_load(request, num_computed)
-            return False
-        self.running.append(request)
-        request.status = _RUNNING
-        plan.new_reqs.append(
-            NewRequestData(
-                req_id=req_id,
-                prompt_token_ids=request.prompt_token_ids,
-                prefill_token_ids=list(request.all_token_ids),
-                sampling_params=request.sampling_params,
-                block_ids=kv.get_block_ids(req_id),
-                num_computed_tokens=num_computed,
-                num_prior_output_tokens=request.num_prior_output_tokens,
-                structured_output_request=request.structured_output_request,
-            )
-        )
-        self._commit(plan, request, num_computed, num_new, encoder_indices, 0)
-        return True
-
-    def _find_computed_tokens(self, request: Request) -> tuple[list | None, int, int, bool]:
-        """(prefix-cache hit blocks, the tokens they hold, tokens the connector can add beyond them,
-        whether those load asynchronously)."""
-        hit_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
-        if self.connector is None:
-            return hit_blocks, num_local, 0, False
-        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
-        return hit_blocks, num_local, num_external or 0, load_async
-
     def _commit(
         self,
-        plan: _StepPlan,
+        plan: StepPlan,
         request: Request,
         num_computed: int,
         num_new: int,
@@ -394,7 +265,7 @@ class Scheduler:
         if self.is_async:
             self._book_placeholders(request, num_spec)
 
-    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+    def _build_output(self, plan: StepPlan) -> SchedulerOutput:
         cached = CachedRequestData(
             req_ids=plan.cached_ids,
             new_token_ids=[()] * len(plan.cached_ids),  # the runner tracks the tokens it sampled
@@ -445,127 +316,7 @@ class Scheduler:
         self._preempted_req_ids.add(request.request_id)
         self._num_preemptions += 1
 
-    # ---- update -------------------------------------------------------------------------------
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> EngineCoreOutputs:
-        """Apply one step's results: append tokens, check stops, retire finished requests."""
-        kv_output = model_runner_output.kv_connector_output
-        outputs: list[EngineCoreOutput] = []
-        finished_now: set[str] = set()
-        if kv_output is not None and kv_output.invalid_block_ids:
-            self._handle_invalid_blocks(kv_output.invalid_block_ids, outputs, finished_now)
-
-        sampled_all = model_runner_output.sampled_token_ids
-        spec_all = model_runner_output.spec_token_ids
-        index_of = model_runner_output.req_id_to_index
-        prompt_logprobs = model_runner_output.prompt_logprobs_dict
-        sampled_logprobs = model_runner_output.logprobs
-        spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
-        spec_stats: SpecDecodingStats | None = None
-        requests = self.requests
-        max_model_len = self.max_model_len
-
-        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
-            request = requests.get(req_id)
-            if request is None:
-                continue  # finished while this step was in flight
-            in_flight = request.num_in_flight_tokens - num_scheduled
-            request.num_in_flight_tokens = in_flight if in_flight > 0 else 0
-            index = index_of.get(req_id)
-            sampled = sampled_all[index] if index is not None else _EMPTY
-            if request.num_stale_output_tokens:
-                self._apply_stale_output(request, num_scheduled, sampled, outputs, finished_now)
-                continue
-            if request.status != _RUNNING:
-                continue
-            new_tokens = _EMPTY
-            if sampled:
-                drafts = spec_scheduled.get(req_id) if spec_scheduled else None
-                num_drafts = len(drafts) if drafts else 0
-                if num_drafts:
-                    spec_stats = self._accept_drafts(request, num_drafts, len(sampled) - 1, spec_stats)
-                if request.num_output_placeholders:
-                    left = request.num_output_placeholders - 1 - num_drafts
-                    request.num_output_placeholders = left if left > 0 else 0
-                    if request.num_in_flight_samples:
-                        request.num_in_flight_samples -= 1
-                new_tokens = request.append_sampled_token_ids(sampled, max_model_len)
-                if new_tokens and request.structured_output_request is not None:
-                    self._advance_grammar(request, new_tokens)
-            if spec_all is not None and index is not None and not self.is_async:
-                request.spec_token_ids = list(spec_all[index] or ())
-            plp = prompt_logprobs.get(req_id) if prompt_logprobs else None
-            lps = sampled_logprobs.get(req_id) if sampled_logprobs and new_tokens else None
-            if lps is not None:
-                lps = lps[:len(new_tokens)]
-            if request.status != _RUNNING:
-                finished_now.add(req_id)
-                request.spec_token_ids = []
-                kv_handle = self._free_request(request)
-                outputs.append(
-                    EngineCoreOutput(
-                        req_id, new_tokens, request.get_finished_reason(), request.stop_reason, kv_handle, plp, lps,
-                        request.error,
-                    )
-                )
-            elif new_tokens or plp is not None:
-                outputs.append(EngineCoreOutput(req_id, new_tokens, None, None, None, plp, lps))
-
-        if finished_now:
-            self.running = [r for r in self.running if r.request_id not in finished_now]
-        if kv_output is not None:
-            self.remote_kv.apply_connector_output(kv_output, self.requests)
-        stats = self.make_stats(spec_stats) if self.log_stats else None
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, finished_requests=finished_now)
-
-    def _accept_drafts(
-        self, request: Request, num_drafts: int, num_accepted: int, spec_stats: SpecDecodingStats | None
-    ) -> SpecDecodingStats:
-        """Rejected drafts were computed for nothing: their positions are computed again."""
-        request.num_computed_tokens -= num_drafts - num_accepted
-        if spec_stats is None:
-            spec_stats = SpecDecodingStats()
-        spec_stats.observe_draft(num_drafts, num_accepted)
-        return spec_stats
-
-    def _advance_grammar(self, request: Request, new_tokens: list[int]) -> None:
-        """A grammar that rejects the sampled tokens ends the request with an error."""
-        if not self.structured_output_manager.should_advance(request):
-            return
-        grammar = request.structured_output_request.grammar
-        if not grammar.accept_tokens(request.request_id, new_tokens):
-            request.status = RequestStatus.FINISHED_ERROR
-            request.resumable = False
-            request.error = f"the structured output constraint failed: {grammar.error}"
-
-    def _apply_stale_output(
-        self,
-        request: Request,
-        num_scheduled: int,
-        sampled: list[int],
-        outputs: list[EngineCoreOutput],
-        finished_now: set[str],
-    ) -> None:
-        """Output of a step scheduled before the request was preempted."""
-        stale = request.num_stale_output_tokens - num_scheduled
-        request.num_stale_output_tokens = stale if stale > 0 else 0
-        if request.drop_stale_output or not sampled:
-            return
-        # Deliver losslessly: the request recomputes from its tokens, these included.
-        new_tokens = request.append_sampled_token_ids(sampled, self.max_model_len)
-        if request.is_finished():
-            self.waiting.remove(request)
-            finished_now.add(request.request_id)
-            kv_handle = self._free_request(request)
-            outputs.append(
-                EngineCoreOutput(
-                    request.request_id, new_tokens, request.get_finished_reason(), request.stop_reason, kv_handle
-                )
-            )
-        else:
-            outputs.append(EngineCoreOutput(request.request_id, new_tokens))
-
+    # ---- retiring -----------------------------------------------------------------------------
     def _free_request(self, request: Request, load_in_flight: bool = False):
         """Retire a finished request: the connector decides whether its blocks stay held for a peer;
         returns the handle a peer pulls them with (None when nothing was handed off)."""
@@ -582,32 +333,6 @@ class Scheduler:
         self.finished_req_ids.add(req_id)
         self.remote_kv.retire(request, delay_free, load_in_flight)
         return kv_handle
-
-    def _handle_invalid_blocks(
-        self, bad_block_ids: set[int], outputs: list[EngineCoreOutput], finished_now: set[str]
-    ) -> None:
-        """Blocks whose KV load failed: recompute from the first bad block, or fail the request."""
-        to_fail, to_recompute = self.remote_kv.triage_load_failures(list(self.requests.values()), bad_block_ids)
-        for request in to_fail:
-            self._finish_with_error(request, outputs, finished_now)
-        now = time.monotonic()
-        for request in to_recompute:
-            # Loaded synchronously into a step that already ran on bad KV: that step's output
-            # is dropped and the request recomputes (its good blocks stay prefix-cached).
-            self.running.remove(request)
-            self._preempt_request(request, now, drop_stale_output=True)
-
-    def _finish_with_error(self, request: Request, outputs: list[EngineCoreOutput], finished_now: set[str]) -> None:
-        was_loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-        if request.status == _RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
-        request.status = RequestStatus.FINISHED_ERROR
-        request.resumable = False
-        finished_now.add(request.request_id)
-        kv_handle = self._free_request(request, load_in_flight=was_loading)
-        outputs.append(EngineCoreOutput(request.request_id, [], FinishReason.ERROR, None, kv_handle))
 
     # ---- maintenance --------------------------------------------------------------------------
     def release_held(self, request_ids: Iterable[str] | None = None) -> set[str]:

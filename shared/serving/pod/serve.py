@@ -14,7 +14,7 @@ import time
 from typing import Callable, Mapping, Sequence
 
 from shared.engine.kv_transfer.connector import KVRole
-from shared.engine.kv_transfer.transfer_agent import recommended_environment
+from shared.engine.kv_transfer.nixl_loading import recommended_environment
 from shared.serving.server.api_auth import BearerTokenInterceptor
 from shared.serving.server.grpc_server import GrpcServer, ServerOptions, announce, serve_until_stopped
 from shared.serving.server.http_server import HttpServer

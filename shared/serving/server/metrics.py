@@ -23,7 +23,20 @@ class ServiceMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
+        self._reads_seen = (0, 0)  # the connector's READ totals already counted
+        self._add_request_metrics(self.registry)
+        self._add_kv_metrics(self.registry)
+        self._add_engine_metrics(self.registry)
+        self.requests = Counter(
+            "requests", "Finished requests by outcome.", ["outcome"],
+            namespace=NAMESPACE, registry=self.registry,
+        )
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome=outcome)
+        self._add_gateway_gauges(self.registry)
+
+    def _add_request_metrics(self, r: CollectorRegistry) -> None:
+        """Latency and queue of the requests."""
         self.ttft_seconds = Histogram(
             "ttft_seconds", "Time to first token, request arrival to first token sent.",
             namespace=NAMESPACE, buckets=TTFT_BUCKETS_S, registry=r,
@@ -38,6 +51,8 @@ class ServiceMetrics:
         self.running_requests = Gauge(
             "running_requests", "Requests being computed.", namespace=NAMESPACE, registry=r,
         )
+    def _add_kv_metrics(self, r: CollectorRegistry) -> None:
+        """The KV pool, the holds for peers and the transfers between pods."""
         self.kv_blocks_used = Gauge(
             "kv_blocks_used", "KV cache blocks in use.", namespace=NAMESPACE, registry=r,
         )
@@ -72,6 +87,9 @@ class ServiceMetrics:
             "lease_expiries", "KV holds freed because their lease expired before release.",
             namespace=NAMESPACE, registry=r,
         )
+
+    def _add_engine_metrics(self, r: CollectorRegistry) -> None:
+        """The prefix cache and the engine's work."""
         self.prefix_cache_queried_tokens = Counter(
             "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
             namespace=NAMESPACE, registry=r,
@@ -91,13 +109,8 @@ class ServiceMetrics:
         self.engine_busy_seconds = Counter(
             "engine_busy_seconds", "Wall time of the engine steps that computed tokens.", namespace=NAMESPACE, registry=r,
         )
-        self._reads_seen = (0, 0)  # the connector's READ totals already counted
-        self.requests = Counter(
-            "requests", "Finished requests by outcome.", ["outcome"],
-            namespace=NAMESPACE, registry=r,
-        )
-        for outcome in OUTCOMES:
-            self.requests.labels(outcome=outcome)
+
+    def _add_gateway_gauges(self, r: CollectorRegistry) -> None:
         # The gauges the Gateway API Inference Extension's endpoint picker scrapes (its model-server
         # protocol), under vLLM's names so an unmodified picker config finds them.
         self.gateway_waiting = Gauge(
