@@ -243,17 +243,18 @@ class LocalCluster:
         env = cluster.env
         placement = _pod_placement(num_prefill + num_decode, pin_cores)
         try:
-            prefill = [cluster._start(f"prefill-{i}", "prefill_svc", [*placement[i][1], *pod_args, *prefill_args],
-                                      log_dir, env, _nth_port(ports.prefill, i), placement[i][0])
+            prefill = [cluster.start_process(f"prefill-{i}", "prefill_svc",
+                                             [*placement[i][1], *pod_args, *prefill_args], log_dir, env,
+                                             _nth_port(ports.prefill, i), placement[i][0])
                        for i in range(num_prefill)]
-            decode = [cluster._start(f"decode-{i}", "decode_svc",
-                                     [*placement[num_prefill + i][1], *pod_args, *decode_args], log_dir, env,
-                                     _nth_port(ports.decode, i), placement[num_prefill + i][0])
+            decode = [cluster.start_process(f"decode-{i}", "decode_svc",
+                                            [*placement[num_prefill + i][1], *pod_args, *decode_args], log_dir, env,
+                                            _nth_port(ports.decode, i), placement[num_prefill + i][0])
                       for i in range(num_decode)]
             http_port = ports.http or free_port()
             routing = [f"--prefill={','.join(s.address for s in prefill)}",
                        f"--decode={','.join(s.address for s in decode)}", "--http-port", str(http_port)]
-            router = cluster._start("router", "router", [*routing, *router_args], log_dir, env, ports.router)
+            router = cluster.start_process("router", "router", [*routing, *router_args], log_dir, env, ports.router)
             router.http_url = f"{_http_scheme(router_args)}://{HOST}:{http_port}/v1"
             for service in cluster.services:
                 wait_serving(service, timeout_s, cluster.client_tls)
@@ -262,9 +263,11 @@ class LocalCluster:
             raise
         return cluster
 
-    def _start(self, name: str, module: str, args: Sequence[str], log_dir: Path | None,
-               env: dict[str, str] | None, port: int | None = None,
-               cores: Sequence[int] | None = None) -> ServiceProcess:
+    def start_process(self, name: str, module: str, args: Sequence[str], log_dir: Path | None,
+                      env: dict[str, str] | None, port: int | None = None,
+                      cores: Sequence[int] | None = None) -> ServiceProcess:
+        """One more service of the cluster (it does not wait for it to serve): a free port when port is None,
+        a metrics port when the cluster has them."""
         port = port or free_port()
         args = ["--host", HOST, "--port", str(port), *args]
         metrics_url = None

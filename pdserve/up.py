@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from pdserve.launcher import DEFAULT_PORTS, HOST, ClusterPorts, LocalCluster, ServiceProcess, cores_text
+from pdserve.up_autoscale import Launch, add_autoscale_flags, autoscale_config, pod_flags, run_autoscaled
 from shared.engine.model.dtype_choice import DTYPE_CHOICES
 from shared.serving.openai.reasoning import ReasoningParser
 from shared.serving.openai.tool_calls import ToolCallParser
@@ -55,6 +56,7 @@ def add_up_command(commands, parents: list[argparse.ArgumentParser]) -> None:
     up.add_argument("--metrics", action="store_true", help="give every service a Prometheus port and print it")
     up.add_argument("--demo", action="store_true", help="ask the example question through the system, then stop")
     up.add_argument("--max-tokens", type=int, default=64, help="tokens to generate in the demo")
+    add_autoscale_flags(up)
     up.set_defaults(run=run_up)
 
 
@@ -94,10 +96,24 @@ def _fetch_model(model: str) -> None:
 
 def run_up(args: argparse.Namespace) -> None:
     check_shape(args)
+    autoscale = autoscale_config(args)
+    if autoscale.autoscale and args.colocated:
+        raise ValueError("--autoscale scales prefill and decode pods: it does not go with --colocated")
+    if autoscale.autoscale:
+        autoscale.check_start(args.prefill_pods, args.decode_pods)
     started = time.monotonic()
     _fetch_model(args.model)
     if args.colocated:
         return _run_colocated(args, started)
+    if autoscale.autoscale:
+        tiers = {"prefill": args.prefill_args, "decode": args.decode_args}
+        launch = Launch(
+            tier_args={tier: pod_flags(autoscale, _pod_args(args), shlex.split(extra)) for tier, extra in tiers.items()},
+            router_args=_router_args(args), announce=lambda services: _announce(services, started),
+            demo=(lambda url: ask_example_question(url, args.max_tokens)) if args.demo else None)
+        print(f"starting {args.prefill_pods} prefill and {args.decode_pods} decode pod(s), then a router, with the "
+              f"planner scaling them (model {args.model}); logs in {args.log_dir}/", flush=True)
+        return run_autoscaled(args, autoscale, launch)
     decode_port = args.decode_port
     if decode_port == DEFAULT_PORTS.decode and args.prefill_pods > 1:
         decode_port = args.prefill_port + args.prefill_pods  # clear of the prefill pods' ports
@@ -110,7 +126,7 @@ def run_up(args: argparse.Namespace) -> None:
         num_decode=args.decode_pods, with_metrics=args.metrics, log_dir=args.log_dir, ports=ports, pin_cores=True,
         timeout_s=600,
     ) as cluster:
-        _print_services(cluster.services, started)
+        print_services(cluster.services, started)
         _serve(args, cluster.router, cluster.services)
 
 
@@ -128,13 +144,19 @@ def _run_colocated(args: argparse.Namespace, started: float) -> None:
     try:
         wait_serving(service, timeout_s=600)
         service.http_url = f"http://{HOST}:{args.http_port}/v1"
-        _print_services([service], started)
+        print_services([service], started)
         _serve(args, service, [service])
     finally:
         service.stop()
 
 
-def _print_services(services: list[ServiceProcess], started: float) -> None:
+def _announce(services: list[ServiceProcess], started: float) -> None:
+    print_services(services, started)
+    router = next(service for service in services if service.name == "router")
+    print(f"  {'http':10s} {router.http_url}  (OpenAI-compatible)", flush=True)
+
+
+def print_services(services: list[ServiceProcess], started: float) -> None:
     for service in services:
         metrics = f"  metrics {service.metrics_url}" if service.metrics_url else ""
         placement = "" if service.name == "router" else f"  cores {cores_text(service.cores)}{_dtype_of(service)}"
@@ -155,14 +177,14 @@ def _serve(args: argparse.Namespace, front: ServiceProcess, services: list[Servi
     print(f"  {'http':10s} {http_url}  (OpenAI-compatible: /completions, /chat/completions, /responses, /models)",
           flush=True)
     if args.demo:
-        return _demo(http_url, args.max_tokens)
+        return ask_example_question(http_url, args.max_tokens)
     print(f"ready (Ctrl-C stops):\n  curl {http_url}/chat/completions -H 'Content-Type: application/json' "
           f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"{EXAMPLE_QUESTION}\"}}], \"temperature\": 0}}'",
           flush=True)
     _wait_for_interrupt(services)
 
 
-def _demo(http_url: str, max_tokens: int) -> None:
+def ask_example_question(http_url: str, max_tokens: int) -> None:
     """The example question over the OpenAI-compatible HTTP API, answer streamed as it comes."""
     import json
     import urllib.request

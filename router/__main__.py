@@ -68,6 +68,7 @@ async def run(
 
     subscriptions, kv_index = follow_kv_events(config, closers)
     prefill, decode = worker_pools(config, tracing, update_health, closers)
+    metrics.watch_workers({pool.tier: pool.health_by_address for pool in (prefill, decode)})
     servicer = RouterServicer(prefill, decode, config, codec=codec, metrics=metrics,
                               tracer=tracing.tracer, kv_index=kv_index)
     server.add_service(generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer, GENERATE_SERVICE)

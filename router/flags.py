@@ -18,13 +18,22 @@ POLICIES = ("least-loaded", "round-robin", "kv-aware")
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """One discovery source: a fixed host:port, or a DNS name resolved to every address it has."""
+    """One discovery source: a fixed host:port, a DNS name resolved to every address it has, or a file
+    listing host:port lines (re-read as a DNS name is re-resolved: `pdserve up --autoscale` rewrites it)."""
 
     host: str
     port: int
     is_dns: bool = False
+    list_file: str | None = None
+
+    @property
+    def is_dynamic(self) -> bool:
+        """Whether its addresses can change while the router runs (so it is looked up again periodically)."""
+        return self.is_dns or self.list_file is not None
 
     def __str__(self) -> str:
+        if self.list_file is not None:
+            return f"file:{self.list_file}"
         return f"dns:{self.host}:{self.port}" if self.is_dns else format_address(self.host, self.port)
 
 
@@ -39,8 +48,12 @@ def _parse_port(text: str, spec: str) -> int:
 
 
 def parse_worker_spec(spec: str) -> WorkerSpec:
-    """Parses 'host:port', '[v6]:port' or 'dns:NAME:PORT'."""
+    """Parses 'host:port', '[v6]:port', 'dns:NAME:PORT' or 'file:PATH'."""
     text = spec.strip()
+    if text.startswith("file:"):
+        if not text[len("file:"):]:
+            raise ValueError(f"bad worker {spec!r}: expected file:PATH")
+        return WorkerSpec(host="", port=0, list_file=text[len("file:"):])
     is_dns = text.startswith("dns:")
     if is_dns:
         text = text[len("dns:"):]
@@ -56,6 +69,26 @@ def parse_worker_spec(spec: str) -> WorkerSpec:
     if not host:
         raise ValueError(f"bad worker {spec!r}: empty host")
     return WorkerSpec(host=host, port=_parse_port(port_text, spec), is_dns=is_dns)
+
+
+def read_worker_file(path: str) -> list[str]:
+    """The host:port addresses a worker list file names, one a line (blank lines and # comments skipped);
+    ValueError naming the line when one is not a host:port."""
+    addresses: list[str] = []
+    for number, line in enumerate(open(path, encoding="utf-8").read().splitlines(), start=1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        try:
+            spec = parse_worker_spec(text)
+        except ValueError as exc:
+            raise ValueError(f"{path} line {number}: {exc}") from None
+        if spec.is_dynamic:
+            raise ValueError(f"{path} line {number}: {text!r}: a worker list file holds host:port lines only")
+        address = format_address(spec.host, spec.port)
+        if address not in addresses:
+            addresses.append(address)
+    return addresses
 
 
 def parse_worker_list(values: list[str] | None) -> tuple[WorkerSpec, ...]:
@@ -82,7 +115,7 @@ class PoolConfig:
         "seconds between health/load polls", flag="--health-interval"
     ))
     resolve_interval_s: float = field(default=10.0, metadata=setting(
-        "seconds between DNS re-resolutions", flag="--resolve-interval"
+        "seconds between DNS re-resolutions (and re-reads of file: worker lists)", flag="--resolve-interval"
     ))
     probe_timeout_s: float = field(default=1.0, metadata=setting(
         "seconds a health or load probe may take", flag="--probe-timeout"
@@ -106,11 +139,12 @@ class RouterConfig:
     """Every router setting; each field with setting() metadata is a flag (shared/serving/server/settings.py)."""
 
     prefill: tuple[WorkerSpec, ...] = field(metadata=setting(
-        "prefill workers: host:port or dns:name:port; repeatable or comma separated",
+        "prefill workers: host:port, dns:name:port or file:PATH (host:port lines, re-read); repeatable or comma "
+        "separated",
         parse=parse_worker_list, action="append", metavar="ADDR",
     ))
     decode: tuple[WorkerSpec, ...] = field(metadata=setting(
-        "decode workers: host:port or dns:name:port; repeatable or comma separated",
+        "decode workers: host:port, dns:name:port or file:PATH; repeatable or comma separated",
         parse=parse_worker_list, action="append", metavar="ADDR",
     ))
     host: str = field(default="127.0.0.1", metadata=setting("address to listen on"))

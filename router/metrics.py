@@ -1,13 +1,15 @@
 """The router's Prometheus metrics, on a registry the composition root owns (no global registry)."""
 from __future__ import annotations
 
+from typing import Callable, Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from shared.serving.server.metrics import TTFT_BUCKETS_S
 from shared.serving.pod.outcomes import OUTCOMES
 
 TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384)
-
 
 
 class RouterMetrics:
@@ -43,3 +45,22 @@ class RouterMetrics:
             "Requests by route (split: prefill then decode; decode_only: the decode pod computes the prompt) "
             "and the reason for it", ["route", "reason"], registry=registry,
         )
+
+    def watch_workers(self, tiers: dict[str, Callable[[], Iterable[tuple[str, bool]]]]) -> None:
+        """Export each tier's rotation set as it is at every scrape: tier -> (address, is_healthy) pairs.
+        Who scales pods (`pdserve up --autoscale`) reads it to know a pod left the rotation before it stops it."""
+        self.registry.register(_RotationCollector(tiers))
+
+
+class _RotationCollector:
+    def __init__(self, tiers: dict[str, Callable[[], Iterable[tuple[str, bool]]]]):
+        self._tiers = tiers
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "pdserve_router_workers", "Workers in the router's rotation set (1 healthy, 0 not yet or no longer)",
+            labels=["tier", "address"])
+        for tier, workers in self._tiers.items():
+            for address, is_healthy in workers():
+                family.add_metric([tier, address], 1.0 if is_healthy else 0.0)
+        yield family

@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.pdserve.v1 import common_pb2
-from router.flags import PoolConfig, WorkerSpec, format_address
+from router.flags import PoolConfig, WorkerSpec, format_address, read_worker_file
 from router.policy import WorkerView
 from shared.serving.wire import convert
 from shared.serving.wire import payloads as wire
@@ -91,7 +91,7 @@ class WorkerPool:
         await self.resolve()
         await self.poll()
         self._tasks.append(asyncio.create_task(self._every(self.config.health_interval_s, self.poll)))
-        if any(spec.is_dns for spec in self.specs):
+        if any(spec.is_dynamic for spec in self.specs):
             self._tasks.append(asyncio.create_task(self._every(self.config.resolve_interval_s, self.resolve)))
 
     async def close(self) -> None:
@@ -112,15 +112,17 @@ class WorkerPool:
 
     # ---- discovery ----------------------------------------------------------------------------
     async def resolve(self) -> None:
-        """Recomputes the worker set from the specs; a failed DNS lookup keeps that name's last answer."""
+        """Recomputes the worker set from the specs; a failed DNS lookup or an unreadable worker list file
+        keeps that source's last answer."""
         addresses: list[str] = []
         for spec in self.specs:
-            if not spec.is_dns:
+            if not spec.is_dynamic:
                 found = [format_address(spec.host, spec.port)]
             else:
                 try:
-                    found = await self._resolver(spec.host, spec.port)
-                except (OSError, socket.gaierror) as exc:
+                    found = (read_worker_file(spec.list_file) if spec.list_file is not None
+                             else await self._resolver(spec.host, spec.port))
+                except (OSError, ValueError) as exc:
                     found = self._last_resolved.get(spec, [])
                     logger.warning("%s pool: cannot resolve %s (%s); keeping %s", self.tier, spec, exc, found)
             self._last_resolved[spec] = found
@@ -236,6 +238,10 @@ class WorkerPool:
     @property
     def addresses(self) -> list[str]:
         return list(self._workers)
+
+    def health_by_address(self) -> list[tuple[str, bool]]:
+        """The rotation set as (address, is_healthy) pairs (retired workers, still finishing calls, are out)."""
+        return [(w.address, w.is_healthy) for w in list(self._workers.values())]
 
     def is_healthy(self, address: str) -> bool:
         worker = self._workers.get(address)

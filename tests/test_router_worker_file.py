@@ -1,0 +1,61 @@
+"""The router's worker list files (`--decode file:PATH`): the pool follows the file's host:port lines as it
+is rewritten, keeps its last set when the file cannot be read, and exports its rotation set as a gauge
+(what `pdserve up --autoscale` waits on before it stops a pod)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from proto.pdserve.v1 import decode_pb2_grpc
+from router.flags import PoolConfig, WorkerSpec, parse_worker_list, parse_worker_spec, read_worker_file
+from router.metrics import RouterMetrics
+from router.workers import WorkerPool
+
+
+def test_file_specs_parse_and_name_bad_lines(tmp_path):
+    assert parse_worker_spec("file:/x/decode.pods") == WorkerSpec("", 0, list_file="/x/decode.pods")
+    assert str(parse_worker_spec("file:/x/decode.pods")) == "file:/x/decode.pods"
+    assert parse_worker_spec("file:/x").is_dynamic and parse_worker_spec("dns:a:1").is_dynamic
+    assert not parse_worker_spec("a:1").is_dynamic
+    assert parse_worker_list(["a:1,file:/p"]) == (WorkerSpec("a", 1), WorkerSpec("", 0, list_file="/p"))
+    with pytest.raises(ValueError, match="file:PATH"):
+        parse_worker_spec("file:")
+    listing = tmp_path / "pods"
+    listing.write_text("# decode pods\n127.0.0.1:7001\n\n[::1]:7002  # v6\n127.0.0.1:7001\n")
+    assert read_worker_file(str(listing)) == ["127.0.0.1:7001", "[::1]:7002"]
+    listing.write_text("127.0.0.1:7001\nnot an address\n")
+    with pytest.raises(ValueError, match="line 2"):
+        read_worker_file(str(listing))
+    listing.write_text("dns:decode:7001\n")
+    with pytest.raises(ValueError, match="host:port lines only"):
+        read_worker_file(str(listing))
+
+
+def test_the_pool_follows_the_file_and_the_gauge_shows_its_rotation(tmp_path):
+    listing = tmp_path / "decode.pods"
+    listing.write_text("127.0.0.1:7001\n127.0.0.1:7002\n")
+    metrics = RouterMetrics(CollectorRegistry())
+
+    async def scenario():
+        pool = WorkerPool("decode", [parse_worker_spec(f"file:{listing}")], decode_pb2_grpc.DecodeServiceStub,
+                          "pdserve.v1.DecodeService", PoolConfig())
+        metrics.watch_workers({"decode": pool.health_by_address})
+        try:
+            await pool.resolve()
+            assert pool.addresses == ["127.0.0.1:7001", "127.0.0.1:7002"]
+            exported = generate_latest(metrics.registry).decode()
+            assert 'pdserve_router_workers{address="127.0.0.1:7002",tier="decode"} 0.0' in exported
+            listing.write_text("127.0.0.1:7001\n127.0.0.1:7003\n")
+            await pool.resolve()
+            assert pool.addresses == ["127.0.0.1:7001", "127.0.0.1:7003"]
+            exported = generate_latest(metrics.registry).decode()
+            assert "7002" not in exported and 'address="127.0.0.1:7003"' in exported
+            listing.unlink()
+            await pool.resolve()  # unreadable: the last set stands
+            assert pool.addresses == ["127.0.0.1:7001", "127.0.0.1:7003"]
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
