@@ -76,13 +76,6 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
 
     def attach(self, pod) -> None:
         super().attach(pod)
-        # The connector confirms each pull with ReleaseKv: it asks from the engine thread, the
-        # call runs on this event loop, and the answer goes back to the connector.
-        loop = asyncio.get_running_loop()
-        pod.connector.release_remote = lambda handle, request_id, digest: self.sources.release_from_engine_thread(
-            loop, handle, request_id, digest
-        )
-        self.sources.on_release_result = pod.connector.on_release_result
         self.sources.open_probe()
 
     async def close(self) -> None:
@@ -110,20 +103,21 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
                 stream = call.submit(engine_request)
                 if traced is not None:
                     traced.stream = stream
-                pull_stats = None
+                pull_stats = kv_pull = None
                 prompt_logprobs = []  # they come with the prompt's chunks; they go out with the first token
                 async for outputs in stream.batches():
                     token_ids = [t for output in outputs for t in output.new_token_ids]
                     logprobs = [e for output in outputs for e in (output.new_logprobs or ())]
                     prompt_logprobs.extend(e for output in outputs for e in (output.new_prompt_logprobs or ()))
                     finish_reason = outputs[-1].finish_reason
+                    kv_pull = next((output.kv_pull for output in outputs if output.kv_pull is not None), kv_pull)
                     if not token_ids and finish_reason is None:
                         continue  # a prompt chunk's logprobs alone
                     chunk = wire.DecodeChunk(token_ids=token_ids, finish_reason=finish_reason, logprobs=logprobs,
                                              prompt_logprobs=prompt_logprobs)
                     prompt_logprobs = []
                     if pull_stats is None:
-                        pull_stats = self._report_pull(work, early_stats)
+                        pull_stats = self._report_pull(work, kv_pull or early_stats)
                         chunk = dataclasses.replace(chunk, kv_pull=pull_stats)
                     call.count_tokens(len(token_ids))
                     if outputs[-1].error is not None:
@@ -150,9 +144,9 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
         call.finish(FinishReason.LENGTH)
         return decode_chunk_to_proto(wire.DecodeChunk(finish_reason=FinishReason.LENGTH))
 
-    def _report_pull(self, work: wire.DecodeInput, early_stats: KvPullStats) -> KvPullStats:
-        """The pull's statistics, once its first output is ready: metrics (by UCX transport) and the kv-pull span."""
-        stats = self.pod.connector.pop_pull_stats(work.request_id) or early_stats
+    def _report_pull(self, work: wire.DecodeInput, stats: KvPullStats) -> KvPullStats:
+        """The pull's statistics (from the engine's output, or decided before the engine), once the first output
+        is ready: metrics (by UCX transport) and the kv-pull span."""
         connector = self.pod.connector
         self.metrics.catch_up_kv_reads(connector.num_reads, connector.num_read_bytes)
         self.metrics.kv_transfer_seconds.inc(stats.seconds)

@@ -64,7 +64,7 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
                 # min_tokens only matters at position 0 here (it holds EOS and stop tokens back).
                 dataclasses.replace(work.sampling, max_tokens=1, min_tokens=min(work.sampling.min_tokens, 1)),
                 eos_token_id=self.pod.eos_token_id,
-                kv_transfer_params=HoldForPeer() if work.sampling.max_tokens > 1 else None,
+                kv_transfer_params=HoldForPeer(max_tokens=work.sampling.max_tokens),
             ))
             tokens, logprobs, prompt_logprobs, final = [], [], [], None
             async for output in stream:
