@@ -29,7 +29,7 @@ WINDOW_S = 10.0  # the plot's latency p90s are over requests sent within each wi
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--phases", default="1024:16:80,64:512:100,1024:16:100",
+    parser.add_argument("--phases", default="512:16:80,64:384:100,512:16:100",
                         help="prompt:output:seconds per phase, comma separated")
     parser.add_argument("--rate", type=float, default=2.0, help="requests per second (Poisson)")
     parser.add_argument("--jitter", type=float, default=0.25, help="lengths vary by this share either way")
@@ -40,10 +40,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--planner-args", default="--interval 5 --forecast-window 15 --horizon 10 --cooldown 20 "
                         "--capacity-window 60", help="the rest of the planner's policy flags, as one string")
     parser.add_argument("--pod-args", default="--max-num-seqs 32 --num-blocks 1024")
-    # One decode pod's KV pool holds about 6 of the long-output phase's requests: on 2 shared cores a second
-    # decode pod adds memory (batch room), not CPU. The planner's decode capacity is KV-bound here.
-    parser.add_argument("--decode-args", default="--num-blocks 160")
+    # One decode pod's KV pool (96 blocks of 16 tokens) holds about 5 of the long-output phase's requests: on 2
+    # shared cores a second decode pod adds memory (batch room), not CPU. The planner's decode capacity is KV-bound.
+    parser.add_argument("--decode-args", default="--num-blocks 96")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "planner", help="where results go")
+    parser.add_argument("--name", default="local", help="results: OUT/NAME_run.json and OUT/NAME_timeline.png")
+    parser.add_argument("--replot", action="store_true", help="only redraw the plot from OUT/NAME_run.json")
     return parser.parse_args()
 
 
@@ -127,7 +129,7 @@ def windows(records: list[Record], end_s: float) -> list[tuple[float, float | No
     return out
 
 
-def plot(path: Path, args, phases: list[Phase], samples, records: list[Record]) -> None:
+def plot(path: Path, args, phases: list[Phase], samples, points) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -138,8 +140,7 @@ def plot(path: Path, args, phases: list[Phase], samples, records: list[Record]) 
     axes[0].step(times, [s[1] for s in samples], where="post", label="prefill pods")
     axes[0].step(times, [s[2] for s in samples], where="post", label="decode pods")
     axes[0].set_ylabel("pods in rotation")
-    axes[0].set_ylim(0, args.max_pods)
-    points = windows(records, sum(p.seconds for p in phases))
+    axes[0].set_ylim(0, args.max_pods + 0.5)
     for axis, column, target, name in ((axes[1], 1, args.ttft_target, "TTFT p90 (s)"),
                                        (axes[2], 2, args.itl_target * 1000, "ITL p90 (ms)")):
         scale = 1000 if column == 2 else 1
@@ -147,13 +148,15 @@ def plot(path: Path, args, phases: list[Phase], samples, records: list[Record]) 
         axis.plot([p[0] for p in shown], [p[1] for p in shown], marker="o")
         axis.axhline(target, color="red", linestyle="--", label="target")
         axis.set_ylabel(name)
+        axis.set_yscale("log")
     edge = 0.0
     for phase in phases:
         for axis in axes:
             axis.axvline(edge, color="grey", linewidth=0.5)
-        axes[0].text(edge + 2, args.max_pods - 0.4, f"prompt:output {phase.label()}", fontsize=8)
+        axes[0].text(edge + 2, args.max_pods + 0.15, f"prompt:output {phase.label()}", fontsize=8)
         edge += phase.seconds
-    axes[0].legend(loc="center right")
+    axes[0].legend(loc="lower right", fontsize=8)
+    axes[1].legend(loc="upper left", fontsize=8)
     axes[2].set_xlabel(f"seconds (p90s over requests sent in each {WINDOW_S:.0f} s)")
     figure.suptitle("pdserve up --autoscale, tiny preset, 2-core VM")
     figure.tight_layout()
@@ -165,6 +168,10 @@ def main() -> int:
     phases = [Phase(*(int(x) for x in spec.split(":")[:2]), float(spec.split(":")[2]))
               for spec in args.phases.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        saved = json.loads((args.out / f"{args.name}_run.json").read_text())
+        plot(args.out / f"{args.name}_timeline.png", args, phases, saved["timeline"], saved["windows"])
+        return 0
     up, lines, http_url, metrics_url = start_up(args, Path("/tmp") / f"pdserve-planner-run-{time.time():.0f}")
     try:
         records, samples = asyncio.run(drive(args, phases, http_url, metrics_url))
@@ -174,9 +181,11 @@ def main() -> int:
     result = summarise(args, phases, records, samples)
     result.update(settings={k: str(v) for k, v in vars(args).items()}, timeline=samples,
                   windows=windows(records, sum(p.seconds for p in phases)),
-                  scaling_log=[line for line in lines if "autoscale:" in line or "planner decision" in line])
-    (args.out / "local_run.json").write_text(json.dumps(result, indent=1))
-    plot(args.out / "local_timeline.png", args, phases, samples, records)
+                  scaling_log=[line for line in lines if "autoscale:" in line or "planner decision" in line],
+                  records=[[r.phase, round(r.sent_s, 2), r.num_asked, r.num_tokens, r.ttft_s, r.itl_s, r.error]
+                           for r in records])
+    (args.out / f"{args.name}_run.json").write_text(json.dumps(result, indent=1))
+    plot(args.out / f"{args.name}_timeline.png", args, phases, samples, result["windows"])
     print_table(result)
     return 0 if result["lost"] == 0 else 1
 
