@@ -4,6 +4,8 @@ requests, lost requests, TTFT and ITL p90 and the pods in rotation, and when dec
 timeline (replicas per tier, TTFT p90 and ITL p90 over time) as a plot and JSON.
 
     nice -n 10 python benchmarks/bench_planner_local.py          # about 5 minutes; docs/bench/planner/local_*
+    nice -n 10 python benchmarks/bench_planner_local.py --name local_lost --phases 512:16:80,64:384:100,512:16:100 \
+        --decode-args="--num-blocks 96"                           # the second run's settings
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ WINDOW_S = 10.0  # the plot's latency p90s are over requests sent within each wi
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--phases", default="512:16:80,64:384:100,512:16:100",
+    parser.add_argument("--phases", default="1024:16:80,64:512:100,1024:16:100",
                         help="prompt:output:seconds per phase, comma separated")
     parser.add_argument("--rate", type=float, default=2.0, help="requests per second (Poisson)")
     parser.add_argument("--jitter", type=float, default=0.25, help="lengths vary by this share either way")
@@ -40,9 +42,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--planner-args", default="--interval 5 --forecast-window 15 --horizon 10 --cooldown 20 "
                         "--capacity-window 60", help="the rest of the planner's policy flags, as one string")
     parser.add_argument("--pod-args", default="--max-num-seqs 32 --num-blocks 1024")
-    # One decode pod's KV pool (96 blocks of 16 tokens) holds about 5 of the long-output phase's requests: on 2
+    # One decode pod's KV pool (160 blocks of 16 tokens) holds about 5 of the long-output phase's requests: on 2
     # shared cores a second decode pod adds memory (batch room), not CPU. The planner's decode capacity is KV-bound.
-    parser.add_argument("--decode-args", default="--num-blocks 96")
+    parser.add_argument("--decode-args", default="--num-blocks 160")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "planner", help="where results go")
     parser.add_argument("--name", default="local", help="results: OUT/NAME_run.json and OUT/NAME_timeline.png")
     parser.add_argument("--replot", action="store_true", help="only redraw the plot from OUT/NAME_run.json")
