@@ -41,7 +41,7 @@ class PrefillLeg:
         except BaseException:
             admission.cancel()
             raise
-        if result.finish_reason is not None:
+        if not result.hands_off:
             admission.cancel()
             return result, prefill_address, None
         try:

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from proto.pdserve.v1 import common_pb2
 from router.flags import PoolConfig, WorkerSpec, format_address, read_worker_file
 from router.policy import WorkerView
-from shared.serving.wire import convert
+from shared.serving.wire.common import load_report_from_proto
 from shared.serving.wire import payloads as wire
 from shared.serving.server.tls import TlsConfig
 
@@ -174,7 +174,7 @@ class WorkerPool:
             load = None
             if is_healthy:
                 response = await worker.probe_stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout)
-                load = convert.load_report_from_proto(response.load)
+                load = load_report_from_proto(response.load)
         except grpc.aio.AioRpcError as exc:
             if self._tolerates_slow_probe(worker, exc):
                 return  # its last state and load stand
@@ -292,7 +292,7 @@ class WorkerPool:
             response = await worker.probe_stub.GetLoad(common_pb2.GetLoadRequest(), timeout=self.config.probe_timeout_s)
         except grpc.aio.AioRpcError:
             return True
-        worker.load = convert.load_report_from_proto(response.load)
+        worker.load = load_report_from_proto(response.load)
         return not worker.load.is_overloaded
 
     def mark_unavailable(self, address: str) -> None:

@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from colocated_svc.servicer import ColocatedServicer
+from shared.engine.model.dtype_choice import DTYPE_AUTO
 from shared.engine.request import MAX_LOGPROBS, MAX_N
 from shared.engine.request import FinishReason
 from shared.serving.generation import GenerateChunk
@@ -35,22 +36,25 @@ PROMPT = "The router streams tokens from the decode pod"
 
 
 @contextlib.asynccontextmanager
-async def colocated_http(tracing: Tracing | None = None, codec: TextCodec | None = None, **front_options):
-    """A colocated pod (tiny, with its preset tokenizer) behind the HTTP front; yields (client, pod, url).
-    tracing: the service's tracing, when traced; codec: the front's (default: the preset's)."""
+async def colocated_http(tracing: Tracing | None = None, codec: TextCodec | None = None, model: str = "tiny",
+                         dtype: str = DTYPE_AUTO, **front_options):
+    """A colocated pod (tiny, with its preset tokenizer, unless model names another) behind the HTTP front;
+    yields (client, pod, url). tracing: the service's tracing, when traced; codec: the front's (default: the
+    model's)."""
     pod = Pod(None, PodConfig(
-        model="tiny",
+        model=model,
+        dtype=dtype,
         max_model_len=MAX_MODEL_LEN,
         cache=dataclasses.replace(serving_cache_config(), num_blocks=NUM_BLOCKS),
     ))
     pod.start()
-    codec = codec or TextCodec.from_path("tiny")
+    codec = codec or TextCodec.from_path(model)
     servicer = ColocatedServicer(ServiceMetrics(), tokenizer=codec.tokenizer)
     servicer.attach(pod)
     if tracing is not None:
         servicer.use_tracing(tracing)
         pod.loop.is_timing_requests = True  # the timelines feed the stage spans
-    front = HttpFront(servicer.generate, model_name="tiny", codec=lambda: codec, registry=servicer.metrics.registry,
+    front = HttpFront(servicer.generate, model_name=model, codec=lambda: codec, registry=servicer.metrics.registry,
                       is_ready=lambda: True, max_model_len=lambda: pod.max_model_len,
                       tracer=lambda: servicer.tracing.tracer, **front_options)
     server = HttpServer(front.app, "127.0.0.1", 0)

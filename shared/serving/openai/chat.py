@@ -39,8 +39,10 @@ def chat_inputs(state: FrontState, body: dict[str, Any]) -> tuple[list[GenerateI
         tail = state.codec().decode(prompt[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
         opens_thinking = prompt_opens_thinking(tail)
     options = oai.stream_options_from_openai(body)
-    params = oai.sampling_params_from_openai(body, is_chat=True, default_max_tokens=_rest_of_context(state, len(prompt)),
-                                             tool_constraint=tools.constraint() if tools is not None else None)
+    params = oai.sampling_params_from_openai(
+        body, is_chat=True, default_max_tokens=_rest_of_context(state, len(prompt)),
+        tool_constraint=tools.constraint() if tools is not None else None,
+        default_constraint=tools.auto_constraint(opens_thinking) if tools is not None else None)
     parsed = ParsedRequest(options, wants_logprobs=params.logprobs is not None, n=params.n, tools=tools,
                            opens_thinking=opens_thinking)
     return oai.generate_inputs(body, [prompt], params), parsed

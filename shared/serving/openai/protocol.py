@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from shared.engine.request import MAX_LOGPROBS, MODEL_DEFAULT_FIELDS, SamplingParams, StructuredOutputSpec
-from shared.serving.wire.convert import UINT32_MAX
+from shared.serving.wire.common import UINT32_MAX
 from shared.serving.generation import GenerateInput
 from shared.serving.pod.outcomes import InvalidRequest
 
@@ -239,14 +239,16 @@ def completion_echo(body: dict[str, Any]) -> EchoOptions | None:
 
 def sampling_params_from_openai(
     body: dict[str, Any], *, is_chat: bool = False, default_max_tokens: int = COMPLETIONS_DEFAULT_MAX_TOKENS,
-    tool_constraint: StructuredOutputSpec | None = None, echo: EchoOptions | None = None,
+    tool_constraint: StructuredOutputSpec | None = None, default_constraint: StructuredOutputSpec | None = None,
+    echo: EchoOptions | None = None,
 ) -> SamplingParams:
     """The domain SamplingParams an OpenAI request asks for. Where it is silent: the model's defaults
     (filled by the pod, vLLM's --generation-config auto) for the fields it may set, else OpenAI's.
     default_max_tokens: max_tokens when the request names none; chat takes the model's max_new_tokens
     before it, completions never do (vLLM's completions request holds 16 as if the client sent it).
-    tool_constraint: the structured output a forced tool_choice needs; echo: a completion's echo (its
-    logprobs cover the prompt too)."""
+    tool_constraint: the structured output a forced tool_choice needs; default_constraint: the one when the
+    request names none ("auto" tool choice's grammar); echo: a completion's echo (its logprobs cover the
+    prompt too)."""
     kwargs: dict[str, Any] = {"temperature": OPENAI_DEFAULT_TEMPERATURE, "max_tokens": default_max_tokens}
     given = set()
     constraints = []
@@ -266,6 +268,8 @@ def sampling_params_from_openai(
         # A forced tool call is this turn's whole output: a response_format is for a text answer, which
         # this turn has none of (OpenAI applies it to the turn that answers; vLLM lets the tools win).
         kwargs["structured_output"] = tool_constraint
+    elif "structured_output" not in kwargs and default_constraint is not None:
+        kwargs["structured_output"] = default_constraint
     if not is_chat:
         given.add("max_tokens")
     kwargs["unset"] = MODEL_DEFAULT_FIELDS - given

@@ -5,9 +5,11 @@ completion's text, whole or as it streams.
 - "none" (the default without tools): plain text; the tools still reach the chat template.
 - a named function: the output is that function's arguments (a JSON object of its parameters schema).
 - "required": the output is a JSON list of {"name", "parameters"}, one or more of the tools.
-- "auto" (the default with tools): the model writes freely and the server's --tool-call-parser finds the
-  calls in its own format (hermes: `<tool_call>{json}</tool_call>`, as Qwen2.5/Qwen3 and Hermes write them;
-  llama3_json: a JSON object, or several separated by ";", as Llama 3.1+ write them).
+- "auto" (the default with tools): the model writes text or calls in the --tool-call-parser's format
+  (hermes: `<tool_call>{json}</tool_call>`, as Qwen2.5/Qwen3 and Hermes write them; llama3_json: a JSON
+  object, or several separated by ";", as Llama 3.1+ write them), under a grammar that holds each call's
+  arguments to its tool's schema (tool_grammar.py) unless the request names a structured output of its own;
+  the parser finds the calls.
 No web framework and no engine here; errors are InvalidRequest saying what is wrong."""
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.engine.request import StructuredOutputSpec
+from shared.serving.openai.tool_grammar import auto_tool_grammar
 from shared.serving.pod.outcomes import InvalidRequest
 from shared.serving.text import tag_start_at_end
 
@@ -71,6 +74,14 @@ class ToolRequest:
         if self.choice is ToolChoice.REQUIRED:
             return StructuredOutputSpec(json_schema=json.dumps(_calls_schema(self.parameters, self.parallel)))
         return None
+
+    def auto_constraint(self, opens_thinking: bool | None) -> StructuredOutputSpec | None:
+        """For "auto": free text, or calls in the parser's format with arguments that follow their tool's
+        schema (None for the other choices). opens_thinking: as auto_tool_grammar takes it."""
+        if self.choice is not ToolChoice.AUTO:
+            return None
+        return StructuredOutputSpec(grammar=auto_tool_grammar(self.parser.value, self.parameters, self.parallel,
+                                                              opens_thinking))
 
     @property
     def reads_calls(self) -> bool:
