@@ -91,8 +91,14 @@ class StepTimers:
         self.wrap(llama.RMSNorm, "forward", "norms")
         self.wrap(llama.RotaryEmbedding, "forward", "rotary")
         self.wrap(llama.LlamaModel, "compute_logits", "LM head")
-        self.wrap(runner, "sample", "sampler")
-        self.wrap(runner.ModelRunner, "_output_logprobs", "sampler")
+        # The sampler is called from the runner, or (after the runner's split) from step_outputs.
+        try:
+            from shared.engine.model import step_outputs
+            self.wrap(step_outputs, "sample", "sampler")
+            self.wrap(step_outputs.StepSampler, "_output_logprobs", "sampler")
+        except ImportError:
+            self.wrap(runner, "sample", "sampler")
+            self.wrap(runner.ModelRunner, "_output_logprobs", "sampler")
         # The residual add is counted with the norm where the model fuses the two (add_rms_norm); older
         # code calls apply_rope directly, newer code through rotate.
         for name, label in (("add_rms_norm", "norms"), ("rotate", "rotary"), ("apply_rope", "rotary")):

@@ -11,7 +11,7 @@ import grpc
 
 from proto.pdserve.v1 import generate_pb2_grpc
 from shared.serving import fan_out
-from shared.serving.wire import convert
+from shared.serving.wire.common import token_ids_from_proto
 from shared.serving.generate_rpc import serve_generate
 from shared.serving.generation import GenerateChunk, GenerateInput, OnEnd, prompt_token_ids
 from shared.serving.server.metrics import ServiceMetrics
@@ -123,6 +123,6 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
             prompt = await prompt_token_ids(
                 work, encode, no_tokenizer_hint="serve a model directory with tokenizer.json (or pass --tokenizer)"
             )
-            prompt = convert.token_ids_from_proto(prompt, name="prompt token_ids", vocab_size=self.pod.vocab_size)
+            prompt = token_ids_from_proto(prompt, name="prompt token_ids", vocab_size=self.pod.vocab_size)
             sampling = self.pod.fill_sampling(sampling, len(prompt))
         return prompt, sampling

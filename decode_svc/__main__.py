@@ -15,7 +15,9 @@ from shared.engine.kv_transfer.connector import KVRole
 from shared.serving.server.handle_key import handle_key_from_args
 from shared.serving.pod.kv_events import kv_event_service
 from shared.serving.server.metrics import ServiceMetrics
+from shared.serving.pod.runtime import PodConfig
 from shared.serving.pod.serve import run_pod
+from shared.serving.prefill_client import PrefillClientConfig
 
 SERVICE_NAME = "pdserve.v1.DecodeService"
 
@@ -28,12 +30,17 @@ def main(argv: list[str] | None = None) -> None:
         client_config = prefill_client_config(args)
     except ValueError as exc:
         sys.exit(f"pdserve decode: {exc}")
-    sources = KvSourceCache(client_config, probe_port_range=args.kv_port_range, tls=config.tls)
+    asyncio.run(serve(args, config, client_config))
+
+
+async def serve(args, config: PodConfig, client_config: PrefillClientConfig) -> None:
+    # The connector confirms each pull through the source cache (ReleaseKv on this event loop).
+    sources = KvSourceCache(client_config, probe_port_range=args.kv_port_range, tls=config.tls,
+                            loop=asyncio.get_running_loop())
     servicer = DecodeServicer(ServiceMetrics(), sources)
     services = [(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, SERVICE_NAME), kv_event_service()]
-    asyncio.run(
-        run_pod(KVRole.CONSUMER, args, config, env=dict(os.environ), service_name="decode", services=services)
-    )
+    await run_pod(KVRole.CONSUMER, args, config, env=dict(os.environ), service_name="decode", services=services,
+                  confirm_release=sources.confirm_release)
 
 
 if __name__ == "__main__":

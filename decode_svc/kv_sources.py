@@ -12,6 +12,7 @@ from opentelemetry import context as otel_context
 
 from decode_svc.transport_probe import ProbeResult, TransportProbe, derive_transport
 from shared.engine.kv_transfer.handle import KvHandle, KvSource
+from shared.engine.kv_transfer.nixl_consumer import OnReleaseResult
 from shared.serving.server.grpc_server import SERVICE_CHANNEL_OPTIONS
 from shared.serving.prefill_client import PrefillClient, PrefillClientConfig
 from shared.serving.server.tls import TlsConfig
@@ -34,10 +35,13 @@ class KvSourceCache:
     """Channels to prefill pods by address, and their KV sources by engine id."""
 
     def __init__(self, config: PrefillClientConfig = PrefillClientConfig(), interceptors=(), *,
-                 probe_port_range: str | None = None, tls: TlsConfig = TlsConfig()):
+                 probe_port_range: str | None = None, tls: TlsConfig = TlsConfig(),
+                 loop: asyncio.AbstractEventLoop | None = None):
         """probe_port_range: check the KV path to each new prefill engine with a probe READ (None: never).
-        tls: how the channels to prefill pods connect."""
+        tls: how the channels to prefill pods connect. loop: the event loop the calls run on, which
+        confirm_release (asked on the engine thread) hands its ReleaseKv to."""
         self._config = config
+        self._loop = loop
         self._tls = tls
         self._interceptors = list(interceptors)
         self._probe_port_range = probe_port_range
@@ -51,8 +55,6 @@ class KvSourceCache:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._sources: dict[str, KvSource] = {}
         self._tasks: set[asyncio.Task] = set()
-        # Set by the composition root: (request_id, intact) -> None; intact None when ReleaseKv got no answer.
-        self.on_release_result = None
         # Set when tracing is on: the trace context a request's ReleaseKv runs in (None: none known).
         # Releases start on the engine thread, outside any request's context.
         self.release_context: Callable[[str], otel_context.Context | None] | None = None
@@ -156,22 +158,25 @@ class KvSourceCache:
         except grpc.aio.AioRpcError as exc:
             raise KvSourceUnavailable(f"ReserveKv at {handle.source_address} failed: {exc.code().name}") from exc
 
-    def release_from_engine_thread(
-        self, loop: asyncio.AbstractEventLoop, handle: KvHandle, request_id: str, prompt_digest: bytes
-    ) -> None:
-        """The connector's release_remote hook: called on the engine thread, runs on the event loop."""
-        loop.call_soon_threadsafe(self._start_release, handle, request_id, prompt_digest, True)
+    def confirm_release(self, handle: KvHandle, request_id: str, prompt_digest: bytes, on_result: OnReleaseResult) -> None:
+        """The decode connector's confirmation of a pull, asked on the engine thread: ReleaseKv runs on the
+        event loop, and on_result(request_id, intact) gets its answer (intact None: no answer)."""
+        if self._loop is None:
+            raise RuntimeError("KvSourceCache was built without the event loop its confirmations run on")
+        self._loop.call_soon_threadsafe(self._start_release, handle, request_id, prompt_digest, on_result)
 
     def release_quietly(self, handle: KvHandle, request_id: str) -> None:
         """Abandon a hold whose data will not be used (no digest, no answer needed)."""
-        self._start_release(handle, request_id, b"", False)
+        self._start_release(handle, request_id, b"", None)
 
-    def _start_release(self, handle: KvHandle, request_id: str, prompt_digest: bytes, report: bool) -> None:
-        task = asyncio.ensure_future(self._release(handle, request_id, prompt_digest, report))
+    def _start_release(self, handle: KvHandle, request_id: str, prompt_digest: bytes,
+                       on_result: OnReleaseResult | None) -> None:
+        task = asyncio.ensure_future(self._release(handle, request_id, prompt_digest, on_result))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _release(self, handle: KvHandle, request_id: str, prompt_digest: bytes, report: bool) -> None:
+    async def _release(self, handle: KvHandle, request_id: str, prompt_digest: bytes,
+                       on_result: OnReleaseResult | None) -> None:
         intact: bool | None = None  # unknown until the prefill pod answers
         context = self.release_context(request_id) if self.release_context is not None else None
         token = otel_context.attach(context) if context is not None else None
@@ -184,8 +189,8 @@ class KvSourceCache:
         finally:
             if token is not None:
                 otel_context.detach(token)
-        if report and self.on_release_result is not None:
-            self.on_release_result(request_id, intact)
+        if on_result is not None:
+            on_result(request_id, intact)
 
     async def close(self) -> None:
         for task in list(self._tasks):

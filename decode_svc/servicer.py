@@ -14,7 +14,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from shared.serving.wire import convert
+from shared.serving.wire.common import load_report_to_proto
+from shared.serving.wire.decode import check_not_past_max_tokens, decode_chunk_to_proto, decode_request_from_proto
 from shared.serving.wire import payloads as wire
 from shared.serving.pod.engine_thread import RequestStream
 from shared.serving.pod.outcomes import (
@@ -75,13 +76,6 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
 
     def attach(self, pod) -> None:
         super().attach(pod)
-        # The connector confirms each pull with ReleaseKv: it asks from the engine thread, the
-        # call runs on this event loop, and the answer goes back to the connector.
-        loop = asyncio.get_running_loop()
-        pod.connector.release_remote = lambda handle, request_id, digest: self.sources.release_from_engine_thread(
-            loop, handle, request_id, digest
-        )
-        self.sources.on_release_result = pod.connector.on_release_result
         self.sources.open_probe()
 
     async def close(self) -> None:
@@ -90,11 +84,11 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
     async def Decode(self, request, context: grpc.aio.ServicerContext):
         async with await self.start_call(context, None) as call:
             with invalid_on_value_error():
-                work = convert.decode_request_from_proto(request, vocab_size=self.pod.vocab_size)
+                work = decode_request_from_proto(request, vocab_size=self.pod.vocab_size)
                 # Generated tokens count against max_tokens, so prompt + max_tokens bounds the whole sequence.
                 sampling = self.pod.fill_sampling(work.sampling, len(work.prompt_token_ids))
                 work = dataclasses.replace(work, sampling=sampling)
-                convert.check_not_past_max_tokens(work.generated_token_ids, work.sampling)
+                check_not_past_max_tokens(work.generated_token_ids, work.sampling)
             call.span.set_attribute(SpanAttr.REQUEST_ID, work.request_id)
             call.span.set_attribute(SpanAttr.NUM_PROMPT_TOKENS, len(work.prompt_token_ids))
             if len(work.generated_token_ids) == work.sampling.max_tokens:
@@ -109,20 +103,21 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
                 stream = call.submit(engine_request)
                 if traced is not None:
                     traced.stream = stream
-                pull_stats = None
+                pull_stats = kv_pull = None
                 prompt_logprobs = []  # they come with the prompt's chunks; they go out with the first token
                 async for outputs in stream.batches():
                     token_ids = [t for output in outputs for t in output.new_token_ids]
                     logprobs = [e for output in outputs for e in (output.new_logprobs or ())]
                     prompt_logprobs.extend(e for output in outputs for e in (output.new_prompt_logprobs or ()))
                     finish_reason = outputs[-1].finish_reason
+                    kv_pull = next((output.kv_pull for output in outputs if output.kv_pull is not None), kv_pull)
                     if not token_ids and finish_reason is None:
                         continue  # a prompt chunk's logprobs alone
                     chunk = wire.DecodeChunk(token_ids=token_ids, finish_reason=finish_reason, logprobs=logprobs,
                                              prompt_logprobs=prompt_logprobs)
                     prompt_logprobs = []
                     if pull_stats is None:
-                        pull_stats = self._report_pull(work, early_stats)
+                        pull_stats = self._report_pull(work, kv_pull or early_stats)
                         chunk = dataclasses.replace(chunk, kv_pull=pull_stats)
                     call.count_tokens(len(token_ids))
                     if outputs[-1].error is not None:
@@ -132,7 +127,7 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
                         raise KvUnusable(self._failure_message(work.request_id, pull_stats))
                     if finish_reason is not None:
                         call.finish(finish_reason)
-                    yield convert.decode_chunk_to_proto(chunk)
+                    yield decode_chunk_to_proto(chunk)
                 if finish_reason is None:
                     raise PodUnavailable("the pod stopped before the request finished")
             finally:
@@ -147,11 +142,11 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
             self._checked_prompt_digest(work)
             self.sources.release_quietly(work.handle, work.request_id)
         call.finish(FinishReason.LENGTH)
-        return convert.decode_chunk_to_proto(wire.DecodeChunk(finish_reason=FinishReason.LENGTH))
+        return decode_chunk_to_proto(wire.DecodeChunk(finish_reason=FinishReason.LENGTH))
 
-    def _report_pull(self, work: wire.DecodeInput, early_stats: KvPullStats) -> KvPullStats:
-        """The pull's statistics, once its first output is ready: metrics (by UCX transport) and the kv-pull span."""
-        stats = self.pod.connector.pop_pull_stats(work.request_id) or early_stats
+    def _report_pull(self, work: wire.DecodeInput, stats: KvPullStats) -> KvPullStats:
+        """The pull's statistics (from the engine's output, or decided before the engine), once the first output
+        is ready: metrics (by UCX transport) and the kv-pull span."""
         connector = self.pod.connector
         self.metrics.catch_up_kv_reads(connector.num_reads, connector.num_read_bytes)
         self.metrics.kv_transfer_seconds.inc(stats.seconds)
@@ -306,5 +301,5 @@ class DecodeServicer(PodServicer, decode_pb2_grpc.DecodeServiceServicer):
     async def GetLoad(self, request, context):
         await self.require_pod(context)
         return common_pb2.GetLoadResponse(
-            load=convert.load_report_to_proto(self.pod.load_report()), engine_id=self.pod.engine_id
+            load=load_report_to_proto(self.pod.load_report()), engine_id=self.pod.engine_id
         )

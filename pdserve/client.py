@@ -18,7 +18,9 @@ from typing import AsyncIterator, Iterator, Sequence
 import grpc
 
 from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
-from shared.serving.wire import convert
+from shared.serving.wire.common import (
+    finish_reason_from_proto, sampling_params_to_proto, token_logprobs_from_proto,
+)
 from shared.serving.server.api_auth import bearer_metadata
 from shared.serving.server.tls import TlsConfig
 from shared.engine.request import MODEL_DEFAULT_FIELDS, FinishReason, SamplingParams, StructuredOutputSpec
@@ -64,7 +66,7 @@ def build_generate_request(
     # What the caller does not pass, the model's generation_config.json may give (else the server default).
     params = SamplingParams(**sampling, unset=MODEL_DEFAULT_FIELDS - sampling.keys())
     message = generate_pb2.GenerateRequest(
-        request_id=request_id or "", sampling=convert.sampling_params_to_proto(params)
+        request_id=request_id or "", sampling=sampling_params_to_proto(params)
     )
     if isinstance(prompt, str):
         message.text = prompt
@@ -78,13 +80,13 @@ def chunk_from_proto(message: generate_pb2.GenerateResponse) -> GenerateChunk:
         request_id=message.request_id,
         token_ids=list(message.token_ids),
         text=message.text,
-        finish_reason=convert.finish_reason_from_proto(message.finish_reason),
+        finish_reason=finish_reason_from_proto(message.finish_reason),
         num_prompt_tokens=message.num_prompt_tokens,
         num_output_tokens=message.num_output_tokens,
-        logprobs=[convert.token_logprobs_from_proto(entry) for entry in message.logprobs],
+        logprobs=[token_logprobs_from_proto(entry) for entry in message.logprobs],
         index=message.index,
         stop_string=message.stop_string,
-        prompt_logprobs=[convert.token_logprobs_from_proto(entry) for entry in message.prompt_logprobs],
+        prompt_logprobs=[token_logprobs_from_proto(entry) for entry in message.prompt_logprobs],
     )
 
 

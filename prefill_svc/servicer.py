@@ -13,7 +13,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from shared.serving.wire import convert
+from shared.serving.wire.common import load_report_to_proto
+from shared.serving.wire.prefill import kv_source_to_proto, prefill_request_from_proto, prefill_result_to_proto
 from shared.serving.wire import payloads as wire
 from shared.engine.kv_transfer.handle import KvHandle
 from shared.engine.kv_transfer.handoff import HoldForPeer
@@ -51,7 +52,7 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         async with await self.start_call(context, "prefill") as call:
             with invalid_on_value_error():
-                work = convert.prefill_request_from_proto(request, vocab_size=self.pod.vocab_size)
+                work = prefill_request_from_proto(request, vocab_size=self.pod.vocab_size)
                 sampling = self.pod.fill_sampling(work.sampling, len(work.prompt_token_ids))
                 work = dataclasses.replace(work, sampling=sampling)
             call.span.set_attribute(SpanAttr.REQUEST_ID, work.request_id)
@@ -63,7 +64,7 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
                 # min_tokens only matters at position 0 here (it holds EOS and stop tokens back).
                 dataclasses.replace(work.sampling, max_tokens=1, min_tokens=min(work.sampling.min_tokens, 1)),
                 eos_token_id=self.pod.eos_token_id,
-                kv_transfer_params=HoldForPeer() if work.sampling.max_tokens > 1 else None,
+                kv_transfer_params=HoldForPeer(max_tokens=work.sampling.max_tokens),
             ))
             tokens, logprobs, prompt_logprobs, final = [], [], [], None
             async for output in stream:
@@ -86,7 +87,7 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
             call.span.set_attribute(SpanAttr.NUM_OUTPUT_TOKENS, 1)
             if result.finish_reason is not None:
                 call.span.set_attribute(SpanAttr.FINISH_REASON, result.finish_reason.value)
-            return convert.prefill_result_to_proto(result)
+            return prefill_result_to_proto(result)
 
     def _free_hold_if_cancelled(self, context: grpc.aio.ServicerContext, request_id: str) -> None:
         """A caller that hangs up while the answer goes out never learns the handle: end the hold
@@ -148,7 +149,7 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
     # ---- the decode pod's calls ----------------------------------------------------------------
     async def GetKvSource(self, request, context):
         await self.require_pod(context)
-        return convert.kv_source_to_proto(self.pod.kv_source())
+        return kv_source_to_proto(self.pod.kv_source())
 
     async def ReserveKv(self, request: prefill_pb2.ReserveKvRequest, context):
         await self.require_pod(context)
@@ -172,5 +173,5 @@ class PrefillServicer(PodServicer, prefill_pb2_grpc.PrefillServiceServicer):
     async def GetLoad(self, request, context):
         await self.require_pod(context)
         return common_pb2.GetLoadResponse(
-            load=convert.load_report_to_proto(self.pod.load_report()), engine_id=self.pod.engine_id
+            load=load_report_to_proto(self.pod.load_report()), engine_id=self.pod.engine_id
         )

@@ -21,7 +21,7 @@ from router.route_call import DROPPED, HOLD_UNUSED, Hold, HoldReleases, RouteErr
 from router.workers import WorkerPool
 from shared.engine.kv_transfer.handle import KvPullStats
 from shared.engine.request import FinishReason
-from shared.serving.wire import convert
+from shared.serving.wire.decode import decode_chunk_from_proto, decode_request_to_proto
 from shared.serving.wire import payloads as wire
 
 logger = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class DecodeLeg:
                          hold: Hold | None):
         """One Decode call: yields its chunks with tokens or a finish reason, until the finish reason."""
         with self._decode.use(address) as stub:
-            call = stub.Decode(convert.decode_request_to_proto(work), timeout=deadline.remaining())
+            call = stub.Decode(decode_request_to_proto(work), timeout=deadline.remaining())
             finished = False
             try:
                 is_first = True
@@ -198,7 +198,7 @@ class DecodeLeg:
     @staticmethod
     def _decode_chunk(address: str, response) -> wire.DecodeChunk:
         try:
-            return convert.decode_chunk_from_proto(response)
+            return decode_chunk_from_proto(response)
         except ValueError as exc:
             raise RouteError(grpc.StatusCode.INTERNAL, f"a decode worker sent a bad message: {exc}", address) from None
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from shared.serving.openai.config import HttpConfig
 from shared.serving.server.api_auth import ApiAuthConfig
+from shared.serving.server.grpc_server import ServerOptions
 from shared.serving.prefill_client import PrefillClientConfig
 from shared.serving.server.settings import add_flags, config_from_args, setting, settings_group
 from shared.serving.server.tls import TlsConfig
@@ -172,7 +173,7 @@ class RouterConfig:
     request_timeout_s: float | None = field(default=600.0, metadata=setting(
         "deadline (seconds) for calls that arrive without one", flag="--request-timeout"
     ))
-    grace_seconds: float = field(default=5.0, metadata=setting("graceful shutdown period"))
+    grace_seconds: float = field(default=ServerOptions.grace_seconds, metadata=setting("graceful shutdown period"))
     pool: PoolConfig = field(default_factory=PoolConfig, metadata=settings_group())
     prefill_client: PrefillClientConfig = field(default_factory=PrefillClientConfig, metadata=settings_group())
     http: HttpConfig = field(default_factory=HttpConfig, metadata=settings_group())

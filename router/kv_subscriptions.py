@@ -10,7 +10,7 @@ import grpc
 
 from proto.pdserve.v1 import kv_events_pb2, kv_events_pb2_grpc
 from router.kv_index import KvIndex
-from shared.serving.wire import convert
+from shared.serving.wire.kv_events import kv_event_update_from_proto
 from shared.serving.server.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class KvEventSubscriptions:
     async def _read(self, address: str, stub) -> None:
         try:
             async for message in stub.SubscribeKvEvents(kv_events_pb2.SubscribeKvEventsRequest()):
-                self._index.apply(address, convert.kv_event_update_from_proto(message))
+                self._index.apply(address, kv_event_update_from_proto(message))
         except grpc.aio.AioRpcError as exc:
             logger.debug("kv events from %s ended: %s", address, exc.code())
         except ValueError as exc:

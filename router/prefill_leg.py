@@ -50,7 +50,7 @@ class PrefillLeg:
             admission.cancel()
             prefill.cancel()
             raise
-        if result.finish_reason is not None:
+        if not result.hands_off:
             admission.cancel()
             return result, prefill_address, None
         try:

@@ -196,7 +196,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 # Decode continues with the params prefill resolved (an older pod sends none: keep the request's).
                 sampling = result.resolved_sampling or sampling
                 generated.append(result.first_token_id)
-                if result.finish_reason is None:
+                if result.hands_off:
                     hold = Hold(prefill_address, pod_request_id, result.handle)
                     # However the call ends (cancelled or timed out even while token 1 goes out), a
                     # hold no decode pod confirmed is released at once, not at the lease's end.

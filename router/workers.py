@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from proto.pdserve.v1 import common_pb2
 from router.flags import PoolConfig, WorkerSpec, format_address, read_worker_file
 from router.policy import WorkerView
-from shared.serving.wire import convert
+from shared.serving.wire.common import load_report_from_proto
 from shared.serving.wire import payloads as wire
 from shared.serving.server.tls import TlsConfig
 
@@ -183,7 +183,7 @@ class WorkerPool:
             load = None
             if is_healthy:
                 response = await worker.probe_stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout)
-                load = convert.load_report_from_proto(response.load)
+                load = load_report_from_proto(response.load)
         except grpc.aio.AioRpcError as exc:
             if self._tolerates_slow_probe(worker, exc):
                 return  # its last state and load stand
@@ -316,7 +316,7 @@ class WorkerPool:
         except grpc.aio.AioRpcError:
             return Admission.ADMITTED
         worker.num_slow_probes = 0
-        worker.load = convert.load_report_from_proto(response.load)
+        worker.load = load_report_from_proto(response.load)
         return Admission.OVERLOADED if worker.load.is_overloaded else Admission.ADMITTED
 
     def mark_unavailable(self, address: str) -> None:

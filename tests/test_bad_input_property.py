@@ -22,7 +22,7 @@ from proto.pdserve.v1 import (
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import SamplingParams
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
-from shared.serving.wire import convert
+from shared.serving.wire.common import sampling_params_from_proto
 from split_cluster import BLOCK_SIZE, NUM_BLOCKS, VOCAB_SIZE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -127,7 +127,7 @@ def _refused(call, kind: str = "") -> grpc.RpcError | None:
 
 def _expected(reference, prompt_ids: list[int], message: common_pb2.SamplingParams) -> list[int] | None:
     """The single-process engine's tokens when the request is deterministic (greedy or seeded)."""
-    params = convert.sampling_params_from_proto(message)
+    params = sampling_params_from_proto(message)
     if not params.is_greedy and params.seed is None:
         return None
     return reference.generate([prompt_ids], params)[0].token_ids
@@ -166,7 +166,7 @@ def _check_decode(stubs, reference, prompt_ids, generated, message, rid, handle)
                 "Decode" if handle is None else "Decode (forged handle)"):
         return
     assert handle is None, "a forged handle must never be accepted"
-    params = convert.sampling_params_from_proto(message)
+    params = sampling_params_from_proto(message)
     if len(generated) == params.max_tokens:
         assert tokens == []  # already complete: answered LENGTH with nothing to decode
     elif params.is_greedy:
@@ -206,7 +206,7 @@ def _check_stolen(stubs, reference, victim, thief, first_index):
     usable = (decode_pb2.KV_PULL_OUTCOME_PULLED, decode_pb2.KV_PULL_OUTCOME_PREFIX_CACHE_HIT)
     assert messages[0].kv_pull.outcome in usable
     tokens = [answer.first_token_id] + [t for m in messages for t in m.token_ids]
-    assert tokens == reference.generate([victim], convert.sampling_params_from_proto(message))[0].token_ids
+    assert tokens == reference.generate([victim], sampling_params_from_proto(message))[0].token_ids
 
 
 # ---- the property ------------------------------------------------------------------------------

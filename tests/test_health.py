@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from pdserve.launcher import HOST, LocalCluster, ServiceProcess, free_port, start_service, wait_serving
 from proto.pdserve.v1 import decode_pb2, decode_pb2_grpc
-from shared.serving.wire import convert
+from shared.serving.wire.common import finish_reason_from_proto, sampling_params_to_proto
 from shared.engine.request import FinishReason, SamplingParams
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -72,7 +72,7 @@ def _decode_request(request_id: str, max_tokens: int) -> decode_pb2.DecodeReques
         request_id=request_id,
         prompt_token_ids=[5, 6, 7, 8],
         generated_token_ids=[9],
-        sampling=convert.sampling_params_to_proto(SamplingParams(max_tokens=max_tokens, ignore_eos=True)),
+        sampling=sampling_params_to_proto(SamplingParams(max_tokens=max_tokens, ignore_eos=True)),
     )
 
 
@@ -171,5 +171,5 @@ def test_graceful_shutdown_reports_not_serving_and_finishes_the_request_in_fligh
         received.append(item)
     assert all(isinstance(message, decode_pb2.DecodeResponse) for message in received), received[-1]
     assert sum(len(message.token_ids) for message in received) == 199  # token 1 was already generated
-    assert convert.finish_reason_from_proto(received[-1].finish_reason) == FinishReason.LENGTH
+    assert finish_reason_from_proto(received[-1].finish_reason) == FinishReason.LENGTH
     assert decode.process.wait(timeout=30) == 0

@@ -14,7 +14,7 @@ from router.kv_index import KvIndex, PromptHashes
 from shared.engine.kv_cache.events import KvEvent, KvEventKind, KvEventLog
 from shared.engine.kv_cache.manager import KVCacheManager
 from shared.engine.request import Request, SamplingParams
-from shared.serving.wire import convert
+from shared.serving.wire.kv_events import kv_event_update_from_proto, kv_event_update_to_proto
 from shared.serving.pod.kv_events import KvEventFeed
 from shared.serving.pod.runtime import Pod, PodConfig
 from shared.serving.wire.payloads import KvEventUpdate
@@ -52,7 +52,7 @@ async def _run(pod: Pod, request_id: str, prompt: list[int]) -> None:
 async def _follow(feed: KvEventFeed, *indexes: KvIndex) -> None:
     async for update in feed.subscribe():
         # Through the wire format, as a router receives it.
-        update = convert.kv_event_update_from_proto(convert.kv_event_update_to_proto(update))
+        update = kv_event_update_from_proto(kv_event_update_to_proto(update))
         for index in indexes:
             index.apply(ADDRESS, update)
 
@@ -181,4 +181,4 @@ def test_bad_event_messages_are_refused(message, error):
     from proto.pdserve.v1 import kv_events_pb2
 
     with pytest.raises(ValueError, match=error):
-        convert.kv_event_update_from_proto(kv_events_pb2.SubscribeKvEventsResponse(**message))
+        kv_event_update_from_proto(kv_events_pb2.SubscribeKvEventsResponse(**message))

@@ -24,7 +24,8 @@ from shared.engine.kv_cache.hashing import prompt_digest
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import SamplingParams
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
-from shared.serving.wire import convert
+from shared.serving.wire.common import sampling_params_to_proto
+from shared.serving.wire.prefill import prefill_request_to_proto
 from shared.serving.server.handle_key import KEY_ENV_VAR
 from split_cluster import BLOCK_SIZE, NUM_BLOCKS
 
@@ -57,14 +58,14 @@ def _expected(reference, prompt: list[int]) -> list[int]:
 
 def _prefill(cluster, request_id: str, prompt: list[int]) -> prefill_pb2.PrefillResponse:
     with grpc.insecure_channel(cluster.by_name("prefill-0").address) as channel:
-        request = convert.prefill_request_to_proto(request_id, prompt, SamplingParams(**SAMPLING))
+        request = prefill_request_to_proto(request_id, prompt, SamplingParams(**SAMPLING))
         return prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(request, timeout=30)
 
 
 def _decode(cluster, request_id: str, prompt: list[int], first_token: int, handle) -> list[decode_pb2.DecodeResponse]:
     request = decode_pb2.DecodeRequest(
         request_id=request_id, prompt_token_ids=prompt, generated_token_ids=[first_token],
-        sampling=convert.sampling_params_to_proto(SamplingParams(**SAMPLING)), handle=handle,
+        sampling=sampling_params_to_proto(SamplingParams(**SAMPLING)), handle=handle,
     )
     with grpc.insecure_channel(cluster.by_name("decode-0").address) as channel:
         return list(decode_pb2_grpc.DecodeServiceStub(channel).Decode(request, timeout=30))

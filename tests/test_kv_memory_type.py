@@ -17,7 +17,7 @@ from shared.engine.kv_transfer.pool_layout import (
     describe_pool,
     nixl_memory_type,
 )
-from shared.serving.wire import convert
+from shared.serving.wire.prefill import kv_source_from_proto, kv_source_to_proto
 from shared.serving.wire import payloads as wire
 
 LAYOUT = KvLayout("llama3-8b", "bfloat16", 2, 8, 128, 16)
@@ -44,7 +44,7 @@ def test_cpu_pool_is_described_as_dram_regions():
 def test_vram_source_round_trips_with_memory_type_and_device_ids():
     regions = tuple(KvRegion(0x7F0000000000 + i * 0x100000, 1 << 20, 1) for i in range(4))
     source = wire.PrefillKvSource("eng", LAYOUT, KvSource("prefill-x", b"meta", "VRAM", regions, 65536, 16))
-    decoded = convert.kv_source_from_proto(convert.kv_source_to_proto(source))
+    decoded = kv_source_from_proto(kv_source_to_proto(source))
     assert decoded == source
     assert decoded.source.mem_type == "VRAM"
     assert {region.device_id for region in decoded.source.regions} == {1}

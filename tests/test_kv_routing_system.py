@@ -18,7 +18,8 @@ from proto.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_p
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import SamplingParams
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
-from shared.serving.wire import convert
+from shared.serving.wire.common import sampling_params_to_proto
+from shared.serving.wire.prefill import prefill_request_to_proto
 
 pytestmark = pytest.mark.e2e
 
@@ -89,7 +90,7 @@ def test_prefill_goes_to_the_pod_holding_the_prefix(cluster):
     prefix = _tokens(160, seed=1)
     with grpc.insecure_channel(cluster.by_name(holder).address) as channel:
         stub = prefill_pb2_grpc.PrefillServiceStub(channel)
-        answer = stub.Prefill(convert.prefill_request_to_proto("warm-prefill", prefix, SamplingParams(max_tokens=4)),
+        answer = stub.Prefill(prefill_request_to_proto("warm-prefill", prefix, SamplingParams(max_tokens=4)),
                               timeout=30)
         stub.ReleaseKv(prefill_pb2.ReleaseKvRequest(request_id="warm-prefill", engine_id=answer.handle.engine_id),
                        timeout=10)
@@ -107,7 +108,7 @@ def test_decode_goes_to_the_pod_that_saves_pull_bytes(cluster):
     prefix = _tokens(160, seed=3)  # 10 full blocks
     warm = decode_pb2.DecodeRequest(
         request_id="warm-decode", prompt_token_ids=prefix,
-        sampling=convert.sampling_params_to_proto(SamplingParams(max_tokens=2, ignore_eos=True)),
+        sampling=sampling_params_to_proto(SamplingParams(max_tokens=2, ignore_eos=True)),
     )
     with grpc.insecure_channel(cluster.by_name(holder).address) as channel:
         list(decode_pb2_grpc.DecodeServiceStub(channel).Decode(warm, timeout=30))

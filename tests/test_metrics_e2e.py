@@ -14,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.client import PdserveClient
 from pdserve.launcher import LocalCluster
 from proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2_grpc
-from shared.serving.wire import convert
+from shared.serving.wire.common import sampling_params_to_proto
+from shared.serving.wire.prefill import prefill_request_to_proto
 from shared.engine.request import SamplingParams
 from split_cluster import BLOCK_SIZE, BYTES_PER_BLOCK, LEASE_S, VOCAB_SIZE
 
@@ -66,7 +67,7 @@ def _prompt(rng: random.Random, length: int) -> list[int]:
 
 def _prefill(cluster, request_id: str, prompt: list[int], **sampling):
     with grpc.insecure_channel(cluster.by_name("prefill-0").address) as channel:
-        request = convert.prefill_request_to_proto(request_id, prompt, SamplingParams(**sampling))
+        request = prefill_request_to_proto(request_id, prompt, SamplingParams(**sampling))
         return prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(request, timeout=30)
 
 
@@ -75,7 +76,7 @@ def _decode(cluster, request_id: str, prompt: list[int], first_token_id: int, ha
         request_id=request_id,
         prompt_token_ids=prompt,
         generated_token_ids=[first_token_id],
-        sampling=convert.sampling_params_to_proto(SamplingParams(**sampling)),
+        sampling=sampling_params_to_proto(SamplingParams(**sampling)),
         handle=handle,
     )
     with grpc.insecure_channel(cluster.by_name("decode-0").address) as channel:

@@ -14,7 +14,7 @@ from shared.engine.kv_transfer.handle import (
     KvHandleNotAuthentic, KvHandleOtherPrompt, KvLayout, KvPullOutcome, KvSource,
 )
 from shared.engine.kv_transfer.handle_signing import HandleSigner
-from shared.engine.kv_transfer.handoff import HoldForPeer, PullFromPeer
+from shared.engine.kv_transfer.handoff import HoldForPeer, PullFromPeer, hands_off
 from shared.engine.kv_transfer.nixl_consumer import NixlConsumer
 from shared.engine.kv_transfer.nixl_producer import NixlProducer
 from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
@@ -56,9 +56,9 @@ def _producer(clock: Clock, *, lease_s: float = 30.0, **kwargs) -> NixlProducer:
                         source_address="127.0.0.1:1", lease_s=lease_s, load_failure_policy=RECOMPUTE, **kwargs)
 
 
-def _consumer(clock: Clock, **kwargs) -> NixlConsumer:
+def _consumer(clock: Clock, *, confirm_release=None, **kwargs) -> NixlConsumer:
     return NixlConsumer(engine_id="kv_consumer-1", layout=LAYOUT, agent=_agent(), clock=clock,
-                        load_failure_policy=RECOMPUTE, **kwargs)
+                        load_failure_policy=RECOMPUTE, confirm_release=confirm_release, **kwargs)
 
 
 def _finished_prefill(status: RequestStatus, num_prompt_tokens: int = 40, do_remote_decode: bool = True) -> Request:
@@ -79,13 +79,29 @@ def test_producer_holds_only_the_prompt_blocks_of_a_handoff(clock):
 
 
 @pytest.mark.parametrize(
-    "status,do_remote_decode",
-    [(RequestStatus.FINISHED_STOPPED, True), (RequestStatus.FINISHED_ABORTED, True),
-     (RequestStatus.FINISHED_LENGTH_CAPPED, False)],
+    "status,params,num_prompt_tokens,expected",
+    [
+        (RequestStatus.FINISHED_LENGTH_CAPPED, HoldForPeer(), 40, True),
+        (RequestStatus.FINISHED_LENGTH_CAPPED, HoldForPeer(max_tokens=8), 40, True),
+        (RequestStatus.FINISHED_LENGTH_CAPPED, HoldForPeer(max_tokens=1), 40, False),  # token 1 was all it wanted
+        (RequestStatus.FINISHED_LENGTH_CAPPED, HoldForPeer(), 63, False),  # token 1 reached the model's length
+        (RequestStatus.FINISHED_STOPPED, HoldForPeer(), 40, False),  # EOS or a stop token
+        (RequestStatus.FINISHED_ABORTED, HoldForPeer(), 40, False),
+        (RequestStatus.FINISHED_LENGTH_CAPPED, None, 40, False),  # it never asked
+    ],
 )
-def test_producer_frees_at_once_when_no_decode_follows(clock, status, do_remote_decode):
+def test_one_predicate_decides_the_handoff(status, params, num_prompt_tokens, expected):
+    request = Request("r1", list(range(3, 3 + num_prompt_tokens)), SamplingParams(max_tokens=1), eos_token_id=2,
+                      kv_transfer_params=params)
+    request.append_output_token_ids([7])
+    request.status = status
+    assert hands_off(request, max_model_len=64) is expected
+
+
+def test_producer_frees_at_once_when_no_decode_follows(clock):
     connector = _producer(clock)
-    assert connector.request_finished(_finished_prefill(status, do_remote_decode=do_remote_decode), [1, 2, 3]) == (False, None)
+    request = _finished_prefill(RequestStatus.FINISHED_LENGTH_CAPPED, do_remote_decode=False)
+    assert connector.request_finished(request, [1, 2, 3]) == (False, None)
     assert connector.num_held_blocks == 0
 
 
@@ -144,11 +160,10 @@ def test_precheck_says_why_a_handle_cannot_be_pulled(clock, change, outcome):
 
 
 def test_consumer_with_the_whole_prompt_cached_reads_nothing(clock):
-    consumer = _consumer(clock)
-    consumer.release_remote = lambda handle, request_id, digest: None
+    consumer = _consumer(clock, confirm_release=lambda handle, request_id, digest, on_result: None)
     handle = _handle(clock)
     assert consumer.get_num_new_matched_tokens(_decode_request(handle), 48) == (0, False)
-    stats = consumer.pop_pull_stats("r1")
+    stats = consumer.get_pull_stats()["r1"]
     assert stats.outcome is KvPullOutcome.PREFIX_CACHE_HIT and stats.num_cached_blocks == 3
 
 
@@ -335,7 +350,7 @@ def test_a_pull_is_used_only_when_prefill_confirms_its_hold(clock, intact, outco
     consumer._pulls[pull.request_id] = pull
     consumer.on_release_result("r1", intact)
     assert consumer.get_finished(set()) == (None, {"r1"})
-    assert consumer.pop_pull_stats("r1").outcome is outcome
+    assert consumer.get_pull_stats()["r1"].outcome is outcome
 
 
 def test_a_pull_is_stuck_after_its_bytes_time_and_never_waits_past_its_holds_lease(clock):

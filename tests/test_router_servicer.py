@@ -23,7 +23,9 @@ from shared.serving.generation import GenerateInput
 from shared.engine.request import SamplingParams
 from shared.serving.text import TextCodec
 from router.workers import WorkerPool, resolve_dns
-from shared.serving.wire import convert
+from shared.engine.kv_transfer.handle import KvHandle, KvLayout, KvPullOutcome, KvPullStats
+from shared.serving.wire.decode import decode_chunk_to_proto, decode_request_from_proto
+from shared.serving.wire.prefill import prefill_request_from_proto, prefill_result_to_proto
 from shared.serving.wire import payloads as wire
 from shared.serving.pod.outcomes import RETRY_AFTER_KEY
 from shared.serving.server.grpc_server import GrpcServer, ServerOptions
@@ -32,7 +34,7 @@ from shared.engine.model.generation_config import GenerationDefaults
 from shared.engine.request import FinishReason
 
 REPO = Path(__file__).resolve().parents[1]
-LAYOUT = convert.KvLayout("fake", "float32", 1, 1, 4, 4)
+LAYOUT = KvLayout("fake", "float32", 1, 1, 4, 4)
 EOS = 999
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
@@ -68,7 +70,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
         self.calls.append(request)
         if self.fail_with is not None:
             await context.abort(self.fail_with, "simulated prefill failure")
-        work = convert.prefill_request_from_proto(request)
+        work = prefill_request_from_proto(request)
         resolved = None
         if self.defaults is not None:
             resolved = GenerationDefaults(sampling=self.defaults).fill(work.sampling)
@@ -82,9 +84,9 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
         handle = None
         if finish is None:
             n = len(work.prompt_token_ids)
-            handle = convert.KvHandle("eng-p", "127.0.0.1:1", range(-(-n // 4)), n, 4, LAYOUT, 2**40)
+            handle = KvHandle("eng-p", "127.0.0.1:1", range(-(-n // 4)), n, 4, LAYOUT, 2**40)
         result = wire.PrefillResult(first, n_prompt(request), finish, handle, resolved_sampling=resolved)
-        return convert.prefill_result_to_proto(result)
+        return prefill_result_to_proto(result)
 
     async def ReleaseKv(self, request, context):
         self.released.append(request.request_id)
@@ -121,7 +123,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
         self.health_delay_s = 0.0  # its health Check answers this late (a pod starved of CPU, or frozen)
 
     async def Decode(self, request, context):
-        work = convert.decode_request_from_proto(request)
+        work = decode_request_from_proto(request)
         if self.num_refused < self.num_refusals:
             self.num_refused += 1
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "simulated overload",
@@ -130,8 +132,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
         if self.deny_handles and work.handle is not None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "the handle's signature does not verify")
         self.time_remaining.append(context.time_remaining())
-        outcome = (self.pull_outcome or convert.KvPullOutcome.PULLED) if work.handle else convert.KvPullOutcome.NO_HANDLE
-        stats = convert.KvPullStats(128, 1, 0, 0.001, outcome)
+        outcome = (self.pull_outcome or KvPullOutcome.PULLED) if work.handle else KvPullOutcome.NO_HANDLE
+        stats = KvPullStats(128, 1, 0, 0.001, outcome)
         last = (work.generated_token_ids or work.prompt_token_ids)[-1]
         num_out = len(work.generated_token_ids)
         sent = 0
@@ -153,9 +155,9 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
                 elif num_out >= work.sampling.max_tokens:
                     finish = FinishReason.LENGTH
                 if finish is not None and self.die_at_last:
-                    yield convert.decode_chunk_to_proto(wire.DecodeChunk([last], None, stats if sent == 1 else None))
+                    yield decode_chunk_to_proto(wire.DecodeChunk([last], None, stats if sent == 1 else None))
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "simulated crash after the last token")
-                yield convert.decode_chunk_to_proto(wire.DecodeChunk([last], finish, stats if sent == 1 else None))
+                yield decode_chunk_to_proto(wire.DecodeChunk([last], finish, stats if sent == 1 else None))
                 if finish is not None:
                     return
         except asyncio.CancelledError:
@@ -566,7 +568,7 @@ def test_more_completions_than_a_tier_ever_admits_is_invalid_argument():
 
 
 @pytest.mark.parametrize("outcome, released", [
-    (convert.KvPullOutcome.RECOMPUTED_ERROR, 1), (convert.KvPullOutcome.PULLED, 0),
+    (KvPullOutcome.RECOMPUTED_ERROR, 1), (KvPullOutcome.PULLED, 0),
 ])
 def test_a_hold_the_decode_pod_did_not_use_is_released_by_the_router(outcome, released):
     # A decode pod that could not read the blocks may not reach the prefill pod to end the hold either.

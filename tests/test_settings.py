@@ -183,7 +183,7 @@ def test_a_blank_api_token_in_the_environment_is_refused_not_an_open_api():
 def test_a_binary_handle_key_file_is_refused_naming_the_flag_and_the_file(tmp_path):
     binary = tmp_path / "binary.key"
     binary.write_bytes(bytes(range(256))[-64:])  # not UTF-8, as `head -c 32 /dev/urandom` mostly is
-    with pytest.raises(ValueError, match=f"--kv-handle-key-file {binary} is not UTF-8 text.*at least 16 bytes"):
+    with pytest.raises(ValueError, match=f"--kv-handle-key-file {binary} is not UTF-8 text.*openssl rand -hex 32"):
         HandleKeyConfig(kv_handle_key_file=str(binary)).load({})
     text = tmp_path / "text.key"
     text.write_text("ab" * 16 + "\n")

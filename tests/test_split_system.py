@@ -26,7 +26,8 @@ from proto.pdserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from shared.serving.wire import convert
+from shared.serving.wire.common import finish_reason_from_proto, sampling_params_to_proto
+from shared.serving.wire.prefill import prefill_request_to_proto
 from shared.engine.sched_config import CacheConfig, SchedulerConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import FinishReason, SamplingParams, StructuredOutputSpec
@@ -95,7 +96,7 @@ def test_seeded_sampling_matches_the_single_process_engine(cluster, reference):
 
 def _prefill(cluster, request_id: str, prompt: list[int], **sampling) -> prefill_pb2.PrefillResponse:
     with grpc.insecure_channel(cluster.by_name("prefill-0").address) as channel:
-        request = convert.prefill_request_to_proto(request_id, prompt, SamplingParams(**sampling))
+        request = prefill_request_to_proto(request_id, prompt, SamplingParams(**sampling))
         return prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(request, timeout=30)
 
 
@@ -104,7 +105,7 @@ def _decode(cluster, request_id: str, prompt: list[int], answer, **sampling) -> 
         request_id=request_id,
         prompt_token_ids=prompt,
         generated_token_ids=[answer.first_token_id],
-        sampling=convert.sampling_params_to_proto(SamplingParams(**sampling)),
+        sampling=sampling_params_to_proto(SamplingParams(**sampling)),
         handle=answer.handle,
     )
     with grpc.insecure_channel(cluster.by_name("decode-0").address) as channel:
@@ -193,7 +194,7 @@ def test_a_constraint_that_fails_while_decoding_is_invalid_argument_on_both_pods
 def test_request_ended_by_token_one_never_reaches_decode(cluster):
     decode_address = cluster.by_name("decode-0").address
     answer = _prefill(cluster, "one-1", _prompts(1, seed=7)[0], max_tokens=1)
-    assert convert.finish_reason_from_proto(answer.finish_reason) == FinishReason.LENGTH
+    assert finish_reason_from_proto(answer.finish_reason) == FinishReason.LENGTH
     assert not answer.HasField("handle")
     before = _decode_requests_seen(cluster)
     tokens, reason = _generate(cluster.router.address, _prompts(1, seed=8)[0], max_tokens=1)
@@ -234,7 +235,7 @@ def test_cancelled_stream_frees_blocks_on_both_pods(cluster):
 def test_a_request_id_already_in_flight_gets_already_exists(cluster):
     # No handle: the decode pod computes the prompt itself and streams many tokens, so the first call
     # is still in flight when the second, with the same id, arrives.
-    sampling = convert.sampling_params_to_proto(SamplingParams(max_tokens=1000, ignore_eos=True))
+    sampling = sampling_params_to_proto(SamplingParams(max_tokens=1000, ignore_eos=True))
     request = decode_pb2.DecodeRequest(
         request_id="twice", prompt_token_ids=[5, 6, 7], generated_token_ids=[8], sampling=sampling
     )
@@ -262,7 +263,7 @@ def test_a_continuation_already_at_max_tokens_is_answered_complete(cluster):
         def decode(generated, params, handle=None, request_id="complete"):
             request = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt,
                                                generated_token_ids=generated, handle=handle,
-                                               sampling=convert.sampling_params_to_proto(params))
+                                               sampling=sampling_params_to_proto(params))
             return [(list(m.token_ids), m.finish_reason) for m in stub.Decode(request, timeout=30)]
 
         for params in (explicit, filled):
@@ -319,7 +320,7 @@ def test_policy_fail_ends_the_request_with_a_clear_status_instead_of_recomputing
         time.sleep(LEASE_S + 0.5)
         request = decode_pb2.DecodeRequest(
             request_id="strict-1", prompt_token_ids=prompt, generated_token_ids=[answer.first_token_id],
-            sampling=convert.sampling_params_to_proto(SamplingParams(**sampling)), handle=answer.handle,
+            sampling=sampling_params_to_proto(SamplingParams(**sampling)), handle=answer.handle,
         )
         with grpc.insecure_channel(strict.address) as channel, pytest.raises(grpc.RpcError) as error:
             list(decode_pb2_grpc.DecodeServiceStub(channel).Decode(request, timeout=30))

@@ -13,7 +13,7 @@ import pytest
 from pdserve.client import build_generate_request
 from pdserve.launcher import LocalCluster
 from proto.pdserve.v1 import generate_pb2_grpc, prefill_pb2_grpc
-from shared.serving.wire import convert
+from shared.serving.wire.prefill import prefill_request_to_proto
 from shared.engine.request import SamplingParams
 from shared.serving.server.telemetry import SpanAttr
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, children_of
@@ -255,7 +255,7 @@ def test_an_expired_hold_ends_its_span_at_the_lease_deadline(traced):
     trace_id = "5b8efff798038103d269b633813fc60c"
     metadata = (("traceparent", f"00-{trace_id}-{CLIENT_SPAN_ID}-01"),)
     prompt = [random.Random(3).randrange(3, 4096) for _ in range(50)]
-    request = convert.prefill_request_to_proto("expiring", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    request = prefill_request_to_proto("expiring", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
     with grpc.insecure_channel(cluster.by_name("prefill-0").address) as channel:
         answer = prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(request, timeout=30, metadata=metadata)
     assert len(answer.handle.block_ids) == 4  # nobody pulls them

@@ -8,7 +8,7 @@ from typing import AsyncIterator, Callable
 import grpc
 
 from proto.pdserve.v1 import generate_pb2
-from shared.serving.wire import convert
+from shared.serving.wire.generate import generate_chunk_to_proto, generate_input_from_proto
 from shared.serving.generation import CallEnded, Generate
 
 
@@ -18,7 +18,7 @@ async def serve_generate(
 ) -> AsyncIterator[generate_pb2.GenerateResponse]:
     """The Generate call's messages; on_invalid runs when the message itself is unusable."""
     try:
-        work = convert.generate_input_from_proto(request, context.time_remaining())
+        work = generate_input_from_proto(request, context.time_remaining())
     except ValueError as exc:
         on_invalid()
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -30,6 +30,6 @@ async def serve_generate(
     try:
         async with aclosing(chunks):
             async for chunk in chunks:
-                yield convert.generate_chunk_to_proto(chunk)
+                yield generate_chunk_to_proto(chunk)
     except CallEnded as exc:
         await context.abort(exc.code, exc.details, trailing_metadata=exc.trailing_metadata)

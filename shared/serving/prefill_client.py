@@ -8,7 +8,7 @@ import grpc
 
 from proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from shared.engine.request import SamplingParams
-from shared.serving.wire import convert
+from shared.serving.wire.prefill import kv_source_from_proto, prefill_request_to_proto, prefill_result_from_proto
 from shared.serving.wire import payloads as wire
 from shared.serving.server.settings import setting
 
@@ -38,12 +38,12 @@ class PrefillClient:
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *, timeout_s: float | None
     ) -> wire.PrefillResult:
         """timeout_s: what is left of the client's deadline (the prompt's compute is part of the request)."""
-        message = convert.prefill_request_to_proto(request_id, prompt_token_ids, sampling)
-        return convert.prefill_result_from_proto(await self._stub.Prefill(message, timeout=timeout_s))
+        message = prefill_request_to_proto(request_id, prompt_token_ids, sampling)
+        return prefill_result_from_proto(await self._stub.Prefill(message, timeout=timeout_s))
 
     async def get_kv_source(self) -> wire.PrefillKvSource:
         answer = await self._stub.GetKvSource(prefill_pb2.GetKvSourceRequest(), timeout=self._timeout_s)
-        return convert.kv_source_from_proto(answer)
+        return kv_source_from_proto(answer)
 
     async def reserve_kv(self, request_id: str, engine_id: str, prompt_digest: bytes) -> bool:
         """Whether this caller may READ the hold (the first to ask, while it stands, for its prompt)."""

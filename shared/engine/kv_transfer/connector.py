@@ -94,5 +94,10 @@ class KVConnectorBase:
         """Local blocks whose load failed since the last call."""
         return set()
 
+    def get_pull_stats(self) -> dict[str, Any]:
+        """How each load decided since the last call went (request id -> KvPullStats); the scheduler
+        hands each to its request's next output."""
+        return {}
+
     def shutdown(self) -> None:
         """Release transfer resources."""

@@ -1,6 +1,6 @@
 """The KV handle a prefill pod hands to a decode pod, the layout fingerprint, and pull outcomes.
 
-Plain domain data: the connector and both servicers use these; convert.py maps them to proto.
+Plain domain data: the connector and both servicers use these; shared/serving/wire maps them to proto.
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.engine.kv_transfer.handle import KvHandle, KvSource
+from shared.engine.request import Request, RequestStatus
 
 
 class KvTransferParams:
@@ -15,7 +16,24 @@ class KvTransferParams:
 
 @dataclass(frozen=True)
 class HoldForPeer(KvTransferParams):
-    """Producer: once token 1 is sampled, keep the prompt's blocks for a decode pod to pull."""
+    """Producer: once token 1 is sampled, keep the prompt's blocks for a decode pod to pull (if hands_off)."""
+
+    # The whole request's max_tokens, when the engine request here is capped at token 1 (None: more follow).
+    max_tokens: int | None = None
+
+
+def hands_off(request: Request, max_model_len: int) -> bool:
+    """The one hand-off decision, made as a request finishes: its KV goes to a peer that continues it only when
+    it asked to (HoldForPeer), token 1 ended it by its capped length (not EOS, a stop token or an abort), the
+    whole request wants more tokens, and the model's length leaves room for them. Otherwise no hold: its blocks
+    free at once, and token 1 is the request's last."""
+    params = request.kv_transfer_params
+    return (
+        isinstance(params, HoldForPeer)
+        and request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+        and (params.max_tokens is None or request.num_output_tokens < params.max_tokens)
+        and request.num_tokens < max_model_len
+    )
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,13 @@ _MIN_PULL_TIMEOUT_S = 5.0
 _MIN_LEASE_LEFT_S = 1.0  # even a lease about to end leaves a pull this long
 
 
+# ReleaseKv's answer for a pull: (request id, intact); intact None when the call got no answer.
+OnReleaseResult = Callable[[str, bool | None], None]
+# Asks the prefill pod holding a pull's blocks to end the hold (ReleaseKv) off the engine thread, then answers
+# on_result: (handle, request id, prompt digest, on_result).
+ConfirmRelease = Callable[[KvHandle, str, bytes, OnReleaseResult], None]
+
+
 @dataclass
 class _Pull:
     """One request's pull, from allocation to the confirmed (or refused) release."""
@@ -56,20 +63,20 @@ class PullMetadata(KVConnectorMetadata):
 class NixlConsumer(NixlConnector):
     """Pulls prompts' KV from prefill pods. on_release_result() may run on any thread."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, *, confirm_release: ConfirmRelease | None, **kwargs):
+        """confirm_release: how a pull's hold is confirmed with its prefill pod (the decode pod's KvSourceCache);
+        None: nothing can ask one, so no pull is ever known good."""
         super().__init__(KVRole.CONSUMER, **kwargs)
+        self._confirm_release = confirm_release
         self._to_post: list[_Pull] = []
         self._pulls: dict[str, _Pull] = {}  # posted, not yet confirmed
         self._confirmations: dict[str, bool | None] = {}  # request id -> intact, from ReleaseKv (None: no answer)
         self._landed: set[str] = set()
         self._ended: set[str] = set()  # aborted mid-pull, now safe to free
         self._bad_block_ids: set[int] = set()
-        self._stats: dict[str, KvPullStats] = {}
+        self._decided: dict[str, KvPullStats] = {}  # pulls decided since the last get_pull_stats()
         # Requests whose one pull attempt is decided: a resumed (preempted) request recomputes.
         self._resolved: set[str] = set()
-        # Set by the composition root: posts ReleaseKv(handle, request_id, prompt_digest) off the
-        # engine thread and reports back through on_release_result.
-        self.release_remote: Callable[[KvHandle, str, bytes], None] | None = None
 
     def check_handle(self, handle: KvHandle, prompt_digest: bytes) -> None:
         """Refuse a handle no prefill pod of this deployment minted (KvHandleNotAuthentic), or one
@@ -102,7 +109,7 @@ class NixlConsumer(NixlConnector):
             return handle.num_tokens - num_computed_tokens, True
         # The local prefix cache already has the whole prompt: nothing to read, end the hold now.
         cached_blocks = num_computed_tokens // self.layout.block_size
-        self._stats[request.request_id] = KvPullStats(0, 0, cached_blocks, 0.0, KvPullOutcome.PREFIX_CACHE_HIT)
+        self._decided[request.request_id] = KvPullStats(0, 0, cached_blocks, 0.0, KvPullOutcome.PREFIX_CACHE_HIT)
         self._resolved.add(request.request_id)
         self._release_remote(handle, request.request_id, params.prompt_digest)
         return 0, False
@@ -250,7 +257,7 @@ class NixlConsumer(NixlConnector):
         if not good:
             # Never decode on KV not known good: the scheduler recomputes (or fails) from these blocks.
             self._bad_block_ids.update(pull.local_block_ids)
-        self._stats[pull.request_id] = KvPullStats(
+        self._decided[pull.request_id] = KvPullStats(
             num_bytes=transfer.num_bytes if transfer is not None else 0,
             num_blocks=len(pull.local_block_ids) if good else 0,
             num_cached_blocks=pull.num_cached_blocks,
@@ -264,10 +271,11 @@ class NixlConsumer(NixlConnector):
         return bad
 
     def _release_remote(self, handle: KvHandle, request_id: str, prompt_digest: bytes) -> None:
-        if self.release_remote is None:
+        if self._confirm_release is None:
             self.on_release_result(request_id, None)  # nothing can ask the prefill pod
         else:
-            self.release_remote(handle, request_id, prompt_digest)
+            self._confirm_release(handle, request_id, prompt_digest, self.on_release_result)
 
-    def pop_pull_stats(self, request_id: str) -> KvPullStats | None:
-        return self._stats.pop(request_id, None)
+    def get_pull_stats(self) -> dict[str, KvPullStats]:
+        decided, self._decided = self._decided, {}
+        return decided

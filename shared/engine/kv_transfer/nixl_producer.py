@@ -13,7 +13,7 @@ from shared.engine.kv_transfer.handle import KvHandle
 from shared.engine.kv_cache.hashing import prompt_digest
 from shared.engine.kv_transfer.handoff import HoldForPeer
 from shared.engine.kv_transfer.nixl_connector import NixlConnector
-from shared.engine.request import Request, RequestStatus
+from shared.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +40,8 @@ class NixlProducer(NixlConnector):
         self.num_lease_expiries = 0
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KvHandle | None]:
-        # Only a prompt cut at token 1 (max_tokens capped for the handoff) continues on a decode pod;
-        # EOS, a stop token or an abort end it here and its blocks are freed at once.
+        # The scheduler left HoldForPeer only on a request that hands off (handoff.hands_off decided).
         if not isinstance(request.kv_transfer_params, HoldForPeer):
-            return False, None
-        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
             return False, None
         num_tokens = request.num_prompt_tokens
         held = list(block_ids[: math.ceil(num_tokens / self.layout.block_size)])

@@ -44,7 +44,9 @@ class KernelBuildTimeout(TimeoutError):
 
 
 def source_hash() -> str:
-    """Sources, flags and the torch and Python versions: anything that changes the built library."""
+    """Sources, flags, the torch and Python versions and torch's install folder: anything that changes the
+    built library or its build files (two venvs sharing a cache would otherwise rebuild over each other,
+    their build files naming different torch headers)."""
     import torch
 
     digest = hashlib.sha256()
@@ -52,7 +54,7 @@ def source_hash() -> str:
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode())
             digest.update(path.read_bytes())
-    digest.update(repr((CFLAGS, LDFLAGS, torch.__version__, sys.version_info[:2])).encode())
+    digest.update(repr((CFLAGS, LDFLAGS, torch.__version__, sys.version_info[:2], str(Path(torch.__file__).parent))).encode())
     return digest.hexdigest()[:16]
 
 

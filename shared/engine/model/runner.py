@@ -152,6 +152,7 @@ class ModelRunner:
         return KVConnectorOutput(
             finished_sending=finished_sending, finished_recving=finished_recving,
             invalid_block_ids=set(self.connector.get_block_ids_with_load_errors()),
+            pull_stats=self.connector.get_pull_stats(),
         )
 
     def _run(self, scheduled: list[ScheduledRequest]) -> tuple[dict[str, list[int]], dict[str, list], dict[str, list]]:

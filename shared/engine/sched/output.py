@@ -71,9 +71,10 @@ class KVConnectorOutput:
     finished_sending: set[str] | None = None  # producer: holds released, blocks may be freed
     finished_recving: set[str] | None = None  # consumer: remote KV landed, request may run
     invalid_block_ids: set[int] = field(default_factory=set)  # blocks whose load failed
+    pull_stats: dict[str, Any] = field(default_factory=dict)  # consumer: req_id -> KvPullStats of a decided load
 
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids or self.pull_stats)
 
 
 @dataclass
@@ -105,6 +106,7 @@ class EngineCoreOutput:
     new_prompt_logprobs: Any = None
     new_logprobs: Any = None  # list[TokenLogprobs], one per new token, when the request asked for logprobs
     error: str | None = None  # why a request finished with FinishReason.ERROR because of its own input
+    kv_pull: Any = None  # KvPullStats: how its prompt's KV was loaded, on the request's first output after
 
     @property
     def finished(self) -> bool:

@@ -15,9 +15,10 @@ from shared.engine.sched.output import KVConnectorOutput
 class RemoteKvTracker:
     """The scheduler's remote-KV state; it frees blocks through the KV-cache manager it shares."""
 
-    def __init__(self, kv_cache_manager: KVCacheManager, failure_policy: KVLoadFailurePolicy) -> None:
+    def __init__(self, kv_cache_manager: KVCacheManager, failure_policy: KVLoadFailurePolicy | None) -> None:
+        """failure_policy: the connector's (None without one: nothing loads remotely)."""
         self.kv_cache_manager = kv_cache_manager
-        self.failure_policy = KVLoadFailurePolicy(failure_policy)
+        self.failure_policy = None if failure_policy is None else KVLoadFailurePolicy(failure_policy)
         # Remote KV landed for these (WAITING_FOR_REMOTE_KVS requests become schedulable).
         self._finished_recving: set[str] = set()
         # Finished producer requests whose blocks a peer still reads (freed on finished_sending).

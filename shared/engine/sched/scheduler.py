@@ -21,7 +21,8 @@ from collections.abc import Iterable
 
 from shared.engine.kv_cache.manager import KVCacheManager, KVCacheUsage
 from shared.engine.kv_transfer.connector import KVConnectorBase, KVLoadFailurePolicy
-from shared.engine.kv_transfer.handoff import HoldForPeer
+from shared.engine.kv_transfer.handle import KvPullStats
+from shared.engine.kv_transfer.handoff import HoldForPeer, hands_off
 from shared.engine.request import DuplicateRequestError, Request, RequestStatus
 from shared.engine.sched.encoder_budget import EncoderBudget
 from shared.engine.sched.admission import WaitingAdmission
@@ -51,7 +52,6 @@ class Scheduler(WaitingAdmission, StepResults):
         eos_token_id: int | None = None,
         log_stats: bool = False,
         structured_output_manager: StructuredOutputManager | None = None,
-        kv_load_failure_policy: KVLoadFailurePolicy | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -73,11 +73,11 @@ class Scheduler(WaitingAdmission, StepResults):
             enable_caching=cache_config.enable_prefix_caching,
             hash_seed=cache_config.prefix_hash_seed,
         )
-        if kv_load_failure_policy is None:
-            kv_load_failure_policy = (
-                connector.load_failure_policy if connector is not None else KVLoadFailurePolicy.RECOMPUTE
-            )
-        self.remote_kv = RemoteKvTracker(self.kv_cache_manager, kv_load_failure_policy)
+        # The connector's policy is the pod's setting (PodConfig.kv_load_failure_policy); without a connector
+        # nothing loads remotely, so there is no policy.
+        self.remote_kv = RemoteKvTracker(
+            self.kv_cache_manager, connector.load_failure_policy if connector is not None else None
+        )
 
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -86,6 +86,7 @@ class Scheduler(WaitingAdmission, StepResults):
         self.finished_req_ids: set[str] = set()
         self._preempted_req_ids: set[str] = set()
         self._num_preemptions = 0
+        self._pull_stats: dict[str, KvPullStats] = {}  # see StepResults._note_pull_stats
 
     # ---- properties ---------------------------------------------------------------------------
     @property
@@ -95,7 +96,7 @@ class Scheduler(WaitingAdmission, StepResults):
         return self.connector is not None and self.connector.role.requires_kv_delivery
 
     @property
-    def kv_load_failure_policy(self) -> KVLoadFailurePolicy:
+    def kv_load_failure_policy(self) -> KVLoadFailurePolicy | None:
         return self.remote_kv.failure_policy
 
     @kv_load_failure_policy.setter
@@ -135,6 +136,7 @@ class Scheduler(WaitingAdmission, StepResults):
             request = self.requests.get(req_id)
             if request is None:
                 continue
+            self._pull_stats.pop(req_id, None)
             if request.status == _RUNNING:
                 leaving_running.add(req_id)
             else:
@@ -323,9 +325,8 @@ class Scheduler(WaitingAdmission, StepResults):
         req_id = request.request_id
         delay_free, kv_handle = False, None
         if self.connector is not None:
-            if request.num_tokens >= self.max_model_len and isinstance(request.kv_transfer_params, HoldForPeer):
-                # At the model's length nothing can follow on a peer: no hold, the blocks free at once.
-                request.kv_transfer_params = None
+            if isinstance(request.kv_transfer_params, HoldForPeer) and not hands_off(request, self.max_model_len):
+                request.kv_transfer_params = None  # nothing follows on a peer: no hold, the blocks free at once
             delay_free, kv_handle = self.connector.request_finished(
                 request, self.kv_cache_manager.get_block_ids(req_id)
             )

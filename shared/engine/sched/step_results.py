@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from shared.engine.kv_transfer.handle import KvPullStats
 from shared.engine.request import FinishReason, Request, RequestStatus
 from shared.engine.sched.output import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from shared.engine.sched.remote_kv import RemoteKvTracker
@@ -25,6 +26,7 @@ class StepResults:
     remote_kv: RemoteKvTracker
     structured_output_manager: StructuredOutputManager
     requests: dict[str, Request]
+    _pull_stats: dict[str, KvPullStats]  # req_id -> how its KV load went, until its next output carries it
     waiting: deque[Request]
     running: list[Request]
 
@@ -35,6 +37,8 @@ class StepResults:
         kv_output = model_runner_output.kv_connector_output
         outputs: list[EngineCoreOutput] = []
         finished_now: set[str] = set()
+        if kv_output is not None and kv_output.pull_stats:
+            self._note_pull_stats(kv_output.pull_stats)
         if kv_output is not None and kv_output.invalid_block_ids:
             self._handle_invalid_blocks(kv_output.invalid_block_ids, outputs, finished_now)
 
@@ -78,10 +82,24 @@ class StepResults:
 
         if finished_now:
             self.running = [r for r in self.running if r.request_id not in finished_now]
-        if kv_output is not None:
+        if kv_output is not None:  # a connector's step
             self.remote_kv.apply_connector_output(kv_output, self.requests)
+            if self._pull_stats and outputs:
+                self._attach_pull_stats(outputs)
         stats = self.make_stats(spec_stats) if self.log_stats else None
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, finished_requests=finished_now)
+
+    def _note_pull_stats(self, pull_stats: dict[str, KvPullStats]) -> None:
+        """How each request's KV load went, kept until the request's next output (an aborted one has none)."""
+        for req_id, stats in pull_stats.items():
+            if req_id in self.requests:
+                self._pull_stats[req_id] = stats
+
+    def _attach_pull_stats(self, outputs: list[EngineCoreOutput]) -> None:
+        for output in outputs:
+            stats = self._pull_stats.pop(output.request_id, None)
+            if stats is not None:
+                output.kv_pull = stats
 
     def _apply_sampled(
         self, request: Request, sampled: list[int], num_drafts: int, spec_stats: SpecDecodingStats | None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from shared.engine.request import MAX_LOGPROBS, MODEL_DEFAULT_FIELDS, SamplingParams, StructuredOutputSpec
-from shared.serving.wire.convert import UINT32_MAX
+from shared.serving.wire.common import UINT32_MAX
 from shared.serving.generation import GenerateInput
 from shared.serving.pod.outcomes import InvalidRequest
 

@@ -9,7 +9,7 @@ from typing import AsyncIterator
 
 from proto.pdserve.v1 import kv_events_pb2_grpc
 from shared.engine.kv_cache.events import DEFAULT_MAX_PENDING_EVENTS, KvEvent, KvEventKind, KvEventLog
-from shared.serving.wire import convert
+from shared.serving.wire.kv_events import kv_event_update_to_proto
 from shared.serving.pod.servicer import PodServicer
 from shared.serving.wire.payloads import KvEventUpdate
 
@@ -189,7 +189,7 @@ class KvEventServicer(PodServicer, kv_events_pb2_grpc.KvEventServiceServicer):
     async def SubscribeKvEvents(self, request, context):
         await self.require_pod(context)
         async for update in self.feed.subscribe():
-            yield convert.kv_event_update_to_proto(update)
+            yield kv_event_update_to_proto(update)
 
 
 KV_EVENT_SERVICE = "pdserve.v1.KvEventService"

@@ -18,7 +18,7 @@ from shared.engine.kv_transfer.connector import KVLoadFailurePolicy, KVRole
 from shared.engine.kv_transfer.handle import KvLayout
 from shared.engine.kv_transfer.handle_signing import HandleSigner
 from shared.engine.kv_transfer.nixl_connector import NixlConnector
-from shared.engine.kv_transfer.nixl_consumer import NixlConsumer
+from shared.engine.kv_transfer.nixl_consumer import ConfirmRelease, NixlConsumer
 from shared.engine.kv_transfer.nixl_producer import NixlProducer
 from shared.engine.kv_transfer.transfer_agent import KvTransferAgent
 from shared.engine.model.generation_config import (
@@ -172,8 +172,9 @@ def resolved_max_model_len(config: "PodConfig", model_limit: int) -> int:
 class Pod:
     """Owns the engine and its loop thread. Build it, then start() inside the event loop."""
 
-    def __init__(self, role: KVRole | None, config: PodConfig):
-        """role None: a colocated pod (no connector) that runs whole requests itself."""
+    def __init__(self, role: KVRole | None, config: PodConfig, *, confirm_release: ConfirmRelease | None = None):
+        """role None: a colocated pod (no connector) that runs whole requests itself. confirm_release: how a
+        decode pod (kv_consumer) confirms each pull's hold with its prefill pod (ReleaseKv)."""
         self.role = role
         self.config = config
         loaded = load_model(config.model, dtype=config.dtype, seed=config.seed, device=config.device,
@@ -193,7 +194,7 @@ class Pod:
             head_dim=model_config.head_dim,
             block_size=config.cache.block_size,
         )
-        self.connector = None if role is None else self._make_connector(role, config)
+        self.connector = None if role is None else self._make_connector(role, config, confirm_release)
         self.engine = LLMEngine(
             loaded,
             dataclasses.replace(config.scheduler, max_model_len=max_model_len),
@@ -212,7 +213,7 @@ class Pod:
         self.eos_token_ids = self.engine.eos_token_ids
         self.max_model_len = max_model_len
 
-    def _make_connector(self, role: KVRole, config: PodConfig) -> NixlConnector:
+    def _make_connector(self, role: KVRole, config: PodConfig, confirm_release: ConfirmRelease | None) -> NixlConnector:
         if role is KVRole.BOTH:
             raise ValueError("a pod runs as kv_producer or kv_consumer, not kv_both")
         common = dict(
@@ -224,7 +225,7 @@ class Pod:
         )
         if role is KVRole.PRODUCER:
             return NixlProducer(source_address=config.advertise_address, lease_s=config.lease_s, **common)
-        return NixlConsumer(**common)
+        return NixlConsumer(confirm_release=confirm_release, **common)
 
     def start(self) -> None:
         self.loop.start()

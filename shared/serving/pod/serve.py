@@ -14,6 +14,7 @@ import time
 from typing import Callable, Mapping, Sequence
 
 from shared.engine.kv_transfer.connector import KVRole
+from shared.engine.kv_transfer.nixl_consumer import ConfirmRelease
 from shared.engine.kv_transfer.nixl_loading import recommended_environment
 from shared.serving.server.api_auth import BearerTokenInterceptor
 from shared.serving.server.grpc_server import GrpcServer, ServerOptions, announce, serve_until_stopped
@@ -94,11 +95,13 @@ async def run_pod(
     services: Sequence[tuple[Callable, PodServicer, str]],
     http: HttpServer | None = None,
     api_token: str | None = None,
+    confirm_release: ConfirmRelease | None = None,
 ) -> None:
     """Serve (health NOT_SERVING) while the pod loads, then SERVING until SIGTERM/SIGINT. Then:
     NOT_SERVING, refuse new work, let requests in flight finish (grace period), stop the pod.
     http: an HTTP front served beside the gRPC server (from the start; it answers 503 while loading).
-    api_token: the bearer token the public API (a colocated pod's Generate) requires, if any."""
+    api_token: the bearer token the public API (a colocated pod's Generate) requires, if any.
+    confirm_release: how a decode pod's connector confirms each pull's hold (Pod's)."""
     server_config = config_from_args(PodServerConfig, args)
     closers = contextlib.AsyncExitStack()
     tracing = start_tracing(server_config, env, service_name, closers)
@@ -114,7 +117,7 @@ async def run_pod(
             await http.start(server.drain)
             announce(f"{service_name} OpenAI-compatible HTTP API at {http.url}/v1")
         pod = await load_pod(role, advertised(pod_config, role, server_config.host, port), server_config.kv_port_range,
-                             tracing)
+                             tracing, confirm_release)
         server.on_shutdown(functools.partial(shut_down, pod, server, services))
         for _, servicer, _ in services:
             servicer.attach(pod)
@@ -204,12 +207,14 @@ def _default_route_address() -> str:
                          f"decode pods reach it at ({exc}): pass --advertise-address HOST:PORT") from None
 
 
-async def load_pod(role: KVRole | None, pod_config: PodConfig, kv_port_range: str, tracing: Tracing) -> Pod:
+async def load_pod(role: KVRole | None, pod_config: PodConfig, kv_port_range: str, tracing: Tracing,
+                   confirm_release: ConfirmRelease | None = None) -> Pod:
     """Loads the model and the KV pool off the event loop (the server keeps answering health), then
     starts the engine thread."""
     logger.info("torch threads: %s; KV transfer ports: %s", pod_config.num_threads or "torch's default",
                 kv_port_range)
-    pod = await asyncio.get_running_loop().run_in_executor(None, Pod, role, pod_config)
+    pod = await asyncio.get_running_loop().run_in_executor(
+        None, functools.partial(Pod, role, pod_config, confirm_release=confirm_release))
     pod.loop.is_timing_requests = tracing.is_enabled  # the timelines only feed trace spans
     pod.start()
     return pod

@@ -6,11 +6,11 @@ from __future__ import annotations
 import hmac
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Mapping
 
 import grpc
 
+from shared.serving.server.secret_file import read_secret_file
 from shared.serving.server.settings import setting
 
 logger = logging.getLogger(__name__)
@@ -31,13 +31,7 @@ class ApiAuthConfig:
 
     def load(self, env: Mapping[str, str]) -> str | None:
         if self.api_token_file:
-            try:
-                token = Path(self.api_token_file).read_text().strip()
-            except OSError as exc:
-                raise ValueError(f"cannot read --api-token-file {self.api_token_file}: {exc}") from None
-            if not token:
-                raise ValueError(f"--api-token-file {self.api_token_file} is empty")
-            return token
+            return read_secret_file(self.api_token_file, "--api-token-file")
         if TOKEN_ENV_VAR not in env:
             return None
         token = env[TOKEN_ENV_VAR].strip()

@@ -3,10 +3,11 @@ call's SERVER span, and the client interceptors that open CLIENT spans and injec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 
 import grpc
 from opentelemetry import context as otel_context
@@ -140,35 +141,33 @@ def _wrap_behavior(behavior: Callable, starter: _SpanStarter) -> Callable:
     if inspect.isasyncgenfunction(behavior):
 
         async def traced_stream(request_or_iterator: Any, context: Any) -> AsyncIterator[Any]:
-            span = starter.start()
-            token = otel_context.attach(trace.set_span_in_context(span))
-            error: BaseException | None = None
-            try:
+            with _server_span(starter, context):
                 async for response in behavior(request_or_iterator, context):
                     yield response
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                _end_server_span(span, context, error)
-                _detach(token)
 
         return traced_stream
 
     async def traced_call(request_or_iterator: Any, context: Any) -> Any:
-        span = starter.start()
-        token = otel_context.attach(trace.set_span_in_context(span))
-        error: BaseException | None = None
-        try:
+        with _server_span(starter, context):
             return await behavior(request_or_iterator, context)
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            _end_server_span(span, context, error)
-            _detach(token)
 
     return traced_call
+
+
+@contextlib.contextmanager
+def _server_span(starter: _SpanStarter, context: Any) -> Iterator[None]:
+    """The call's span, current for the call's whole length, ended with the call's status."""
+    span = starter.start()
+    token = otel_context.attach(trace.set_span_in_context(span))
+    error: BaseException | None = None
+    try:
+        yield
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        _end_server_span(span, context, error)
+        _detach(token)
 
 
 def _detach(token: object) -> None:

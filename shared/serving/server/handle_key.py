@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Mapping
 
 from shared.engine.kv_transfer.handle_signing import MIN_KEY_BYTES
+from shared.serving.server.secret_file import read_secret_file
 from shared.serving.server.settings import add_flags, config_from_args, setting
 
 # Read when no key file is given; `pdserve up` and LocalCluster set it for every pod they start.
@@ -32,7 +32,7 @@ class HandleKeyConfig:
         if self.insecure_unsigned_handles:
             return None
         if self.kv_handle_key_file:
-            text = _read_key_file(self.kv_handle_key_file)
+            text = read_secret_file(self.kv_handle_key_file, "--kv-handle-key-file")
         else:
             text = env.get(KEY_ENV_VAR, "")
         key = text.strip().encode()
@@ -44,20 +44,6 @@ class HandleKeyConfig:
         if len(key) < MIN_KEY_BYTES:
             raise ValueError(f"the KV handle key has {len(key)} bytes; at least {MIN_KEY_BYTES} are needed")
         return key
-
-
-def _read_key_file(path: str) -> str:
-    """The key file's text; ValueError naming the flag and the file when it cannot be read or is not text."""
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ValueError(f"cannot read --kv-handle-key-file {path}: {exc}") from None
-    except UnicodeDecodeError:
-        # Raw random bytes, say: the key is text, so that the file and the environment variable agree.
-        raise ValueError(
-            f"--kv-handle-key-file {path} is not UTF-8 text: the key must be text of at least {MIN_KEY_BYTES} "
-            f"bytes (e.g. made with `openssl rand -hex 32 > {path}`)"
-        ) from None
 
 
 def add_handle_key_flags(parser: argparse.ArgumentParser) -> None:

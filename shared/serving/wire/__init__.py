@@ -1,2 +1,2 @@
 """What crosses between services: the proto-free payloads (payloads.py) and the only proto <-> domain
-mapping, one module per proto file (common, prefill, decode, generate, kv_events), gathered in convert.py."""
+mapping, one module per proto file (common, prefill, decode, generate, kv_events)."""

@@ -55,6 +55,12 @@ class PrefillResult:
     resolved_sampling: SamplingParams | None = None
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # from the second prompt token on
 
+    @property
+    def hands_off(self) -> bool:
+        """Token 1 did not end the request: a decode pod continues it, pulling the KV under handle (the
+        prefill pod's engine decided, shared/engine/kv_transfer/handoff.py's hands_off)."""
+        return self.handle is not None
+
 
 @dataclass(frozen=True)
 class DecodeInput:
