@@ -15,7 +15,7 @@ from router.metrics import RouterMetrics
 from router.picking import Picker, no_pick_error
 from router.retry import Stalled, retry_after_s
 from router.route_call import ANSWER_MAY_BE_LOST, DROPPED, RETRYABLE, Hold, HoldReleases, RouteError, count_retry
-from router.workers import WorkerPool
+from router.workers import Admission, WorkerPool
 from shared.serving.wire import payloads as wire
 
 logger = logging.getLogger(__name__)
@@ -34,12 +34,21 @@ class PrefillLeg:
     async def run(self, request_id, prompt: PromptHashes, sampling, deadline) -> tuple[wire.PrefillResult, str, str | None]:
         """(prefill result, its pod, the decode pod to continue on): while the prompt computes, a fresh probe
         confirms the decode pod the request will go to, so token 1 never goes out for a request whose decode
-        pod froze since its last periodic probe. The decode pod is None when token 1 ends the request."""
+        pod froze since its last periodic probe. A refusal that comes first ends the prefill call too (an
+        overloaded tier does not spend prefill work on requests it refuses). The decode pod is None when
+        token 1 ends the request."""
         admission = asyncio.ensure_future(self._admitting_decode(prompt))
+        prefill = asyncio.ensure_future(self._prefill_on_some_pod(request_id, prompt, sampling, deadline))
         try:
-            result, prefill_address = await self._prefill_on_some_pod(request_id, prompt, sampling, deadline)
+            await asyncio.wait({admission, prefill}, return_when=asyncio.FIRST_COMPLETED)
+            if not prefill.done() and admission.exception() is not None:
+                prefill.cancel()  # a hold it made meanwhile is released as an unclaimed answer's
+                await asyncio.gather(prefill, return_exceptions=True)
+                raise admission.exception()
+            result, prefill_address = await prefill
         except BaseException:
             admission.cancel()
+            prefill.cancel()
             raise
         if not result.hands_off:
             admission.cancel()
@@ -52,15 +61,26 @@ class PrefillLeg:
 
     async def _admitting_decode(self, prompt: PromptHashes) -> str:
         """A decode pod, picked as the decode leg would pick it, that a fresh probe finds serving and not
-        overloaded."""
+        overloaded. When none is: RESOURCE_EXHAUSTED with a retry hint if any refused as overloaded (busy, or
+        silent while busy: the client comes back later), UNAVAILABLE if none serves."""
         refused: list[str] = []
+        is_overloaded = False
         while True:
             choice = self._picker.pick(self._decode, refused, prompt)
             if choice.address is None:
+                if is_overloaded:
+                    raise self._overloaded_error(refused)
                 raise no_pick_error(self._decode, choice.reason, None, refused)
-            if await self._decode.admits(choice.address):
+            admission = await self._decode.admits(choice.address)
+            if admission is Admission.ADMITTED:
                 return choice.address
+            is_overloaded |= admission is Admission.OVERLOADED
             refused.append(choice.address)
+
+    def _overloaded_error(self, refused: list[str]) -> RouteError:
+        return RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"every decode worker is overloaded ({len(refused)} refused this request)",
+                         ", ".join(refused), retry_after_s=self._decode.retry_after_s())
 
     async def _prefill_on_some_pod(self, request_id, prompt: PromptHashes, sampling, deadline):
         tried: list[str] = []
@@ -100,26 +120,28 @@ class PrefillLeg:
         health probes too (frozen: a pod busy computing a long queue still answers them, and one slow
         probe alone does not give up a call about to be answered)."""
         stalled_at = time.monotonic() + self._config.stall_timeout_s
+        # In flight on the worker until answered: a worker that leaves the rotation meanwhile (scaled down)
+        # keeps its channel open for this call.
         with self._prefill.use(address) as client:
             call = asyncio.ensure_future(
                 client.prefill(request_id, prompt_ids, sampling, timeout_s=deadline.remaining())
             )
-        is_answered = False
-        try:
-            while True:
-                done, _ = await asyncio.wait({call}, timeout=self._prefill.config.health_interval_s)
-                if done:
-                    result = call.result()  # raises the call's error: then the finally below runs
-                    is_answered = True
-                    return result
-                if time.monotonic() >= stalled_at and not self._prefill.is_healthy(address):
-                    raise Stalled(f"no answer for {self._config.stall_timeout_s} s, and the worker fails its "
-                                  "health probes")
-        finally:
-            if not is_answered:
-                # The answer may already be on its way; the hold it names must not wait for its lease.
-                call.add_done_callback(lambda done: self._release_unclaimed(address, request_id, done))
-                call.cancel()
+            is_answered = False
+            try:
+                while True:
+                    done, _ = await asyncio.wait({call}, timeout=self._prefill.config.health_interval_s)
+                    if done:
+                        result = call.result()  # raises the call's error: then the finally below runs
+                        is_answered = True
+                        return result
+                    if time.monotonic() >= stalled_at and not self._prefill.is_healthy(address):
+                        raise Stalled(f"no answer for {self._config.stall_timeout_s} s, and the worker fails its "
+                                      "health probes")
+            finally:
+                if not is_answered:
+                    # The answer may already be on its way; the hold it names must not wait for its lease.
+                    call.add_done_callback(lambda done: self._release_unclaimed(address, request_id, done))
+                    call.cancel()
 
     def _release_unclaimed(self, address: str, request_id: str, call: asyncio.Future) -> None:
         """A Prefill call whose answer the request will not use: end the hold the pod may have made."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import logging
 import socket
 import time
@@ -30,6 +31,14 @@ async def resolve_dns(host: str, port: int) -> list[str]:
     """Every address a name resolves to, as host:port strings (sorted, deduplicated)."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     return sorted({format_address(info[4][0], port) for info in infos})
+
+
+class Admission(enum.Enum):
+    """What a fresh probe says of a worker for one new request."""
+
+    ADMITTED = "admitted"
+    OVERLOADED = "overloaded"  # alive, but busy past what it takes now: another worker, or later
+    UNAVAILABLE = "unavailable"  # not serving, or silent while nothing shows it busy (frozen)
 
 
 @dataclass
@@ -253,14 +262,16 @@ class WorkerPool:
         worker = self._workers.get(address)
         return worker is not None and worker.load is not None and worker.load.num_waiting > 0
 
-    async def admits(self, address: str) -> bool:
-        """A fresh probe of one worker (health, then load) within the probe timeout: whether it serves and is
-        not overloaded now. A worker that does not answer SERVING in time (frozen since its last periodic
-        probe, when a few slow probes still keep it in rotation) is out of rotation until a periodic probe
-        finds it serving again; an overloaded one counts as such until its next load report."""
+    async def admits(self, address: str) -> Admission:
+        """A fresh probe of one worker (health, then load) within the probe timeout: whether it takes a new
+        request now. A worker that says it is not serving, or that is silent while nothing shows it busy
+        (frozen since its last periodic probe, when a few slow probes still keep it in rotation), is out of
+        rotation until a periodic probe finds it serving again. One that is silent while busy (requests in
+        flight on it: starved of CPU, not frozen) or whose load says overloaded is overloaded for now: the
+        request goes elsewhere or comes back later, as for any overload."""
         worker = self._workers.get(address)
         if worker is None:
-            return False
+            return Admission.UNAVAILABLE
         timeout = self.config.probe_timeout_s
         try:
             health = await worker.health_stub.Check(health_pb2.HealthCheckRequest(service=self.service_name),
@@ -269,12 +280,16 @@ class WorkerPool:
                 return await self._admits_by_load(worker)
             problem = f"health says {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}"
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._heard_lately(worker):
-                return True  # slow to answer, but streaming to this router: busy, not frozen
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                if self._heard_lately(worker):
+                    return Admission.ADMITTED  # slow to answer, but streaming to this router: busy, not frozen
+                if self._looks_busy(worker) and self._tolerates_slow_probe(worker, exc):
+                    self.mark_overloaded(address, self.config.health_interval_s)
+                    return Admission.OVERLOADED
             problem = f"admission probe failed: {exc.code().name}"
         self._note_problem(worker, problem, logging.WARNING)
         self.mark_unavailable(address)
-        return False
+        return Admission.UNAVAILABLE
 
     def note_heard(self, address: str) -> None:
         """A request call just got a message from the worker: it is alive, whatever its probes say."""
@@ -285,15 +300,24 @@ class WorkerPool:
     def _heard_lately(self, worker: _Worker) -> bool:
         return time.monotonic() - worker.last_heard < self.config.probe_timeout_s
 
-    async def _admits_by_load(self, worker: _Worker) -> bool:
+    @staticmethod
+    def _looks_busy(worker: _Worker) -> bool:
+        """Whether the worker has work that would keep it from answering a probe: this router's calls on it,
+        or requests in flight in its last load report."""
+        load = worker.load
+        return worker.num_inflight > 0 or (load is not None and (load.num_running + load.num_waiting > 0
+                                                                 or load.is_overloaded))
+
+    async def _admits_by_load(self, worker: _Worker) -> Admission:
         """Whether a serving worker's fresh load report says it takes a new request. A busy pod may answer
         its load late: it is alive (it answered its health check), so only a report saying overloaded counts."""
         try:
             response = await worker.probe_stub.GetLoad(common_pb2.GetLoadRequest(), timeout=self.config.probe_timeout_s)
         except grpc.aio.AioRpcError:
-            return True
+            return Admission.ADMITTED
+        worker.num_slow_probes = 0
         worker.load = load_report_from_proto(response.load)
-        return not worker.load.is_overloaded
+        return Admission.OVERLOADED if worker.load.is_overloaded else Admission.ADMITTED
 
     def mark_unavailable(self, address: str) -> None:
         """A call failed with UNAVAILABLE: stop picking it until a probe says it is back."""

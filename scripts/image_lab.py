@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import image_netpol
+import netns_bridge
 import image_pods
 
 SUBNET = "10.213.9"  # private, and only ever assigned inside the namespaces made here
@@ -53,21 +54,8 @@ class Lab:
 
     # ---- network --------------------------------------------------------------------------------
     def _network(self) -> None:
-        for namespace in (self.node, *self.namespaces.values()):
-            run("ip", "netns", "add", namespace)
-            self._made_namespaces.append(namespace)
-            run("ip", "-n", namespace, "link", "set", "lo", "up")
-        run("ip", "-n", self.node, "link", "add", "br0", "type", "bridge")
-        run("ip", "-n", self.node, "addr", "add", f"{NODE_ADDRESS}/24", "dev", "br0")
-        run("ip", "-n", self.node, "link", "set", "br0", "up")
-        for name, namespace in self.namespaces.items():
-            # Made inside the node namespace, then one end moved: nothing appears in the caller's namespace.
-            inner, outer = f"v{name[:2]}{self.suffix}", f"h{name[:2]}{self.suffix}"
-            run("ip", "-n", self.node, "link", "add", inner, "type", "veth", "peer", "name", outer)
-            run("ip", "-n", self.node, "link", "set", inner, "netns", namespace)
-            run("ip", "-n", self.node, "link", "set", outer, "master", "br0", "up")
-            run("ip", "-n", namespace, "addr", "add", f"{ADDRESSES[name]}/24", "dev", inner)
-            run("ip", "-n", namespace, "link", "set", inner, "up")
+        hosts = {name: (namespace, ADDRESSES[name]) for name, namespace in self.namespaces.items()}
+        netns_bridge.make_bridge(self.node, hosts, self.suffix, self._made_namespaces, hub_address=NODE_ADDRESS)
 
     def _filters(self) -> None:
         policies = [d for d in self.docs if d["kind"] == "NetworkPolicy"]
@@ -191,6 +179,4 @@ class Lab:
             subprocess.run(["buildah", "umount", name], capture_output=True)
             subprocess.run(["buildah", "rm", name], capture_output=True)
         self._containers.clear()
-        for namespace in reversed(self._made_namespaces):
-            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
-        self._made_namespaces.clear()
+        netns_bridge.remove_namespaces(self._made_namespaces)

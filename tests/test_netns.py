@@ -20,6 +20,8 @@ import pytest
 from pdserve.launcher import new_cluster_env
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import netns_bridge  # noqa: E402  (scripts/ is not a package)
 SUBNET = "10.213.7"  # private, and only ever assigned inside the namespaces created here
 ADDRESSES = {"router": f"{SUBNET}.1", "prefill": f"{SUBNET}.2", "decode": f"{SUBNET}.3"}
 GRPC_PORTS = {"router": 50051, "prefill": 50061, "decode": 50071}
@@ -52,10 +54,6 @@ needs_nft = pytest.mark.skipif(shutil.which("nft") is None,
                                reason="the `nft` command (nftables) is not installed: `apt-get install nftables`")
 
 
-def _run(*command: str) -> None:
-    subprocess.run(command, check=True, capture_output=True, text=True, timeout=30)
-
-
 class Lab:
     """The namespaces, their links, and the services running in them; close() removes everything."""
 
@@ -76,27 +74,13 @@ class Lab:
             raise
 
     def _build(self, suffix: str) -> None:
-        for namespace in (self.hub, *self.namespaces.values()):
-            _run("ip", "netns", "add", namespace)
-            self._created.append(namespace)
-            _run("ip", "-n", namespace, "link", "set", "lo", "up")
-        _run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
-        _run("ip", "-n", self.hub, "link", "set", "br0", "up")
-        for tier, namespace in self.namespaces.items():
-            # Created inside the hub, then one end moved: nothing ever appears in the caller's namespace.
-            inner, outer = f"v{tier[0]}{suffix}", f"h{tier[0]}{suffix}"
-            _run("ip", "-n", self.hub, "link", "add", inner, "type", "veth", "peer", "name", outer)
-            _run("ip", "-n", self.hub, "link", "set", inner, "netns", namespace)
-            _run("ip", "-n", self.hub, "link", "set", outer, "master", "br0", "up")
-            _run("ip", "-n", namespace, "addr", "add", f"{ADDRESSES[tier]}/24", "dev", inner)
-            _run("ip", "-n", namespace, "link", "set", inner, "up")
+        hosts = {tier: (namespace, ADDRESSES[tier]) for tier, namespace in self.namespaces.items()}
+        netns_bridge.make_bridge(self.hub, hosts, suffix, self._created)
 
     def close(self) -> None:
         for tier in list(self.processes):
             self.stop(tier, kill=True)
-        for namespace in reversed(self._created):
-            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
-        self._created.clear()
+        netns_bridge.remove_namespaces(self._created)
 
     # ---- services ----------------------------------------------------------------------------
     def start(self, tier: str, *extra: str) -> None:

@@ -40,3 +40,13 @@ def test_the_prediction_follows_a_pod_that_batches_more_or_slows_down():
     assert predictor.finish_rate == pytest.approx(80.0, rel=0.02)
     _busy(predictor, num_steps=400, step_s=0.2, finished_per_step=1)  # then 80 busy seconds of a slow pod
     assert predictor.finish_rate == pytest.approx(5.0, rel=0.1)
+
+
+def test_after_a_burst_of_big_batches_the_rate_follows_the_small_ones_within_seconds():
+    """A burst (64 at once) leaves a high rate behind; the overload an admission budget then serves runs a few
+    requests at a time, which finish far fewer per second. Within a few busy seconds the prediction is that
+    of the small batches, not the burst's, which would let in several times the budget."""
+    predictor = WaitPredictor()
+    _busy(predictor, num_steps=100, step_s=0.1, finished_per_step=3)  # 10 busy seconds at 30 per second
+    _busy(predictor, num_steps=40, step_s=0.1, finished_per_step=1)  # then 4 at 10 per second
+    assert predictor.finish_rate < 1.6 * 10.0  # 10 s of memory: 2.2 times, letting in 2.2 times the budget

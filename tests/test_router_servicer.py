@@ -119,6 +119,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
         self.load_delay_s = 0.0  # GetLoad answers this late (a busy or paused pod's probe)
         self.num_waiting = 0  # what its load reports queued
         self.pause = None  # (after this many tokens, seconds): send nothing for a while, then go on
+        self.num_running = 0  # what its load reports running
+        self.health_delay_s = 0.0  # its health Check answers this late (a pod starved of CPU, or frozen)
 
     async def Decode(self, request, context):
         work = decode_request_from_proto(request)
@@ -164,13 +166,22 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
 
     async def GetLoad(self, request, context):
         await asyncio.sleep(self.load_delay_s)
-        load = common_pb2.LoadReport(is_overloaded=self.overloaded, num_waiting=self.num_waiting)
+        load = common_pb2.LoadReport(is_overloaded=self.overloaded, num_waiting=self.num_waiting,
+                                     num_running=self.num_running)
         return common_pb2.GetLoadResponse(load=load, engine_id="eng-d")
 
 
 async def start_fake(servicer, add, name, serving=True):
     server = GrpcServer(ServerOptions(port=0, grace_seconds=0))
     server.add_service(add, servicer, name)
+    if hasattr(servicer, "health_delay_s"):
+        check = server._health.Check  # the server's own health service, answering late on demand
+
+        async def late_check(request, context):
+            await asyncio.sleep(servicer.health_delay_s)
+            return await check(request, context)
+
+        server._health.Check = late_check
     await server.start()
     await server.set_serving(serving)
     return server
@@ -419,6 +430,49 @@ def test_overloaded_decode_tier_fails_before_prefill():
         # The client learns when to retry, as the pods tell the router (the HTTP front: Retry-After).
         hint = dict(info.value.trailing_metadata())[RETRY_AFTER_KEY]
         assert hint.isdigit() and int(hint) > 0
+
+    run(scenario())
+
+
+def test_a_decode_pod_overloaded_since_its_last_poll_is_refused_as_overloaded():
+    """The fresh admission probe finds the pod overloaded (its last periodic poll did not): the client gets
+    RESOURCE_EXHAUSTED with a retry hint, as for any overload, and the pod stays in rotation."""
+    async def scenario():
+        prefill, decode = FakePrefill(), FakeDecode()
+        async with Cluster([prefill], [decode]) as cluster:
+            decode.overloaded = True
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await cluster.generate([3], max_tokens=4)
+            assert cluster.decode_pool.is_healthy(cluster.decode_servers[0].address)
+            await cluster.servicer.drain()
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+        assert "every decode worker is overloaded" in info.value.details()
+        assert float(dict(info.value.trailing_metadata())[RETRY_AFTER_KEY]) > 0
+        assert decode.calls == [] and len(prefill.released) == len(prefill.calls)  # no hold left behind
+
+    run(scenario())
+
+
+def test_a_decode_pod_silent_while_busy_is_overloaded_and_one_silent_while_idle_is_unavailable():
+    """A probe that times out on a pod with requests in flight (starved of CPU) refuses the request as
+    overloaded, with a retry hint, and keeps the pod in rotation; on an idle pod (frozen) it is UNAVAILABLE
+    and the pod leaves rotation, as before. Neither gets token 1."""
+    async def scenario():
+        pool_config = PoolConfig(health_interval_s=30, resolve_interval_s=30, probe_timeout_s=0.2)
+        busy, idle = FakeDecode(), FakeDecode()
+        busy.num_running = 8
+        for decode, code in ((busy, grpc.StatusCode.RESOURCE_EXHAUSTED), (idle, grpc.StatusCode.UNAVAILABLE)):
+            prefill = FakePrefill()
+            async with Cluster([prefill], [decode], pool_config=pool_config) as cluster:
+                decode.health_delay_s = 1.0
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await cluster.generate([3], max_tokens=4)
+                is_healthy = cluster.decode_pool.is_healthy(cluster.decode_servers[0].address)
+                await cluster.servicer.drain()
+            assert info.value.code() == code, info.value.details()
+            assert is_healthy is (decode is busy)
+            assert (RETRY_AFTER_KEY in dict(info.value.trailing_metadata())) is (decode is busy)
+            assert decode.calls == [] and len(prefill.released) == len(prefill.calls)
 
     run(scenario())
 

@@ -4,8 +4,10 @@ requests in flight and the rate at which the engine measured itself finishing re
 from __future__ import annotations
 
 # The measurements fade over this much busy time (idle time keeps them): the prediction follows a pod whose
-# load or batch changes within seconds, and survives a lull.
-HALF_LIFE_S = 10.0
+# load or batch changes within seconds, and survives a lull. The rate depends on the batch the pod runs (a
+# burst's big batches finish far more requests per second than the few an admission budget lets in): a
+# longer memory keeps a burst's rate through an overload that follows and lets in several times the budget.
+HALF_LIFE_S = 2.0
 # Fewer finished requests than this (faded) say too little: predict no wait rather than refuse on noise.
 MIN_FINISHED = 4.0
 
