@@ -318,3 +318,41 @@ def test_random_handoffs_under_pressure_leak_nothing(seed):
         elif req_id not in aborted:
             assert _tokens(consumer, req_id) == [100 + p for p in range(n + 1, n + max_tokens[req_id])]
     assert producer.used_blocks() == 0 and consumer.used_blocks() == 0 and store.num_holds() == 0
+
+
+def test_a_head_request_that_does_not_fit_does_not_block_landed_pulls_behind_it():
+    """The decode pod wedge of issue 26's second run: the only running request is preempted (to the head of the
+    waiting queue) because pulls admitted behind it took the free blocks; it then needs more blocks than are free,
+    and the pulled requests that hold the rest sit behind it. Stopping the waiting pass at the head left them
+    there for good (0 running, blocks used, nothing logged). Requests that already hold their blocks must pass it."""
+    store = LoopbackKVStore()
+    producer = Engine(KVRole.PRODUCER, store, "P", num_blocks=64)
+    consumer = Engine(KVRole.CONSUMER, store, "C", num_blocks=NUM_BLOCKS)
+    sched = consumer.scheduler
+    long_prompt = _prompt(40)
+    token1, handle = _prefill(producer, "long", long_prompt)
+    _decode(consumer, "long", long_prompt, token1, handle, max_tokens=100)
+    consumer.step()
+    consumer.step()
+    assert [r.request_id for r in sched.running] == ["long"]
+    # Two pulls admitted behind it; their READs land only later (the confirmation under way).
+    held_back = []
+    real_start_load_kv = consumer.connector.start_load_kv
+    consumer.connector.start_load_kv = held_back.append
+    for req_id in ("b", "c"):
+        prompt = _prompt(40, base=100 * (ord(req_id) - ord("a")))
+        token1, handle = _prefill(producer, req_id, prompt)
+        _decode(consumer, req_id, prompt, token1, handle, max_tokens=3)
+    for _ in range(100):
+        consumer.step()
+        if not sched.running:
+            break
+    assert not sched.running and sched.waiting[0].request_id == "long"  # preempted to the head
+    consumer.connector.start_load_kv = real_start_load_kv
+    for metadata in held_back:
+        real_start_load_kv(metadata)
+    _run_until_idle(producer, consumer, max_steps=400)
+    for req_id in ("b", "c"):
+        assert _tokens(consumer, req_id) == [100 + 41, 100 + 42]  # recomputed or pulled, the colocated tokens
+    assert _tokens(consumer, "long") == [100 + p for p in range(41, 140)]
+    assert consumer.used_blocks() == 0 and producer.used_blocks() == 0

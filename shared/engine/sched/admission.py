@@ -31,14 +31,21 @@ class WaitingAdmission:
         """Admit waiting requests (new, resumed, or whose remote KV landed) in arrival order."""
         waiting = self.waiting
         skipped: list[Request] = []
+        # Once a request did not fit, only requests that already hold their blocks (their remote KV
+        # landed) may pass it: they need few or no new blocks, and running them frees theirs. Stopping
+        # there instead wedged a decode pod for good: a preempted request at the head needed the blocks
+        # that landed pulls behind it held, so nothing ran and nothing was freed (issue 26, run 2).
+        is_blocked = False
         while waiting and plan.token_budget > 0 and len(self.running) < self.max_num_running_reqs:
             request = waiting[0]
-            if not self._is_ready(request):
+            if not self._is_ready(request) or (is_blocked and not self.kv_cache_manager.has_blocks(request.request_id)):
                 skipped.append(waiting.popleft())
                 continue
             admitted = self._admit(plan, request)
             if admitted is None:
-                break
+                is_blocked = True  # first-come order holds for every request that would take new blocks
+                skipped.append(waiting.popleft())
+                continue
             waiting.popleft()
             if not admitted:
                 skipped.append(request)  # its KV is loading
