@@ -83,7 +83,7 @@ class LocalPods:
         for tier in TIERS:
             self.list_file(tier).parent.mkdir(parents=True, exist_ok=True)
             self._write_list(tier)
-        await asyncio.gather(*(self._start_pod(tier) for tier in TIERS for _ in range(counts[tier])))
+        await asyncio.gather(*(self._until_serving(self._launch(tier)) for tier in TIERS for _ in range(counts[tier])))
         missing = [tier for tier in TIERS if len(self.of(tier, PodState.SERVING)) < counts[tier]]
         if missing:
             raise RuntimeError(f"the first {' and '.join(missing)} pod(s) did not start (see {self.log_dir}/)")
@@ -94,18 +94,17 @@ class LocalPods:
             self.scale_to(tier, decision.tier(tier).desired)
 
     def scale_to(self, tier: str, count: int) -> None:
-        """Starts or drains pods until `count` are starting or serving. Only serving pods are drained, the
-        newest first; one still starting is left to start (a later call drains it if it is still not wanted)."""
+        """Starts or drains pods until `count` are starting or serving. Pods still starting go first (they
+        hold no request: stopped at once), then serving ones, the newest first, each drained."""
         active = self.of(tier, PodState.STARTING, PodState.SERVING)
         for _ in range(count - len(active)):
-            self._spawn(self._start_pod(tier))
-        surplus = len(active) - count
-        for pod in reversed(self.of(tier, PodState.SERVING)):
-            if surplus <= 0:
-                break
+            self._spawn(self._until_serving(self._launch(tier)))
+        surplus = max(0, len(active) - count)
+        leaving = [*reversed(self.of(tier, PodState.STARTING)), *reversed(self.of(tier, PodState.SERVING))]
+        for pod in leaving[:surplus]:
+            was_serving = pod.state is PodState.SERVING
             pod.state = PodState.DRAINING  # now, so the next decision does not pick it again
-            self._spawn(self.drain(pod))
-            surplus -= 1
+            self._spawn(self.drain(pod) if was_serving else self._stop_starting(pod))
 
     async def settled(self) -> None:
         """Waits until every start and drain in progress has finished."""
@@ -124,22 +123,31 @@ class LocalPods:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _start_pod(self, tier: str) -> None:
+    def _launch(self, tier: str) -> LocalPod:
+        """The pod's process, started now (so the next decision counts it)."""
         name = f"{tier}-{self._num_started[tier]}"
         self._num_started[tier] += 1
         service = self.cluster.start_process(name, MODULES[tier], list(self.tier_args[tier]), self.log_dir,
                                              self.cluster.env)
         pod = LocalPod(tier, service)
         self.pods.append(pod)
+        return pod
+
+    async def _until_serving(self, pod: LocalPod) -> None:
+        """Into the worker list once its health says SERVING (and the router's rotation, when there is one)."""
+        service, name, tier = pod.service, pod.service.name, pod.tier
         began = time.monotonic()
         try:
             await asyncio.to_thread(wait_serving, service, self.timings.start_timeout_s, self.cluster.client_tls)
         except RuntimeError as exc:
-            self.num_failed_starts += 1
-            logger.error("autoscale: %s did not start: %s", name, str(exc).splitlines()[0])
-            await asyncio.to_thread(service.stop)
-            self._forget(pod)
+            if pod.state is PodState.STARTING:  # not stopped on purpose (_stop_starting)
+                self.num_failed_starts += 1
+                logger.error("autoscale: %s did not start: %s", name, str(exc).splitlines()[0])
+                await asyncio.to_thread(service.stop)
+                self._forget(pod)
             return
+        if pod.state is not PodState.STARTING:
+            return  # no longer wanted: _stop_starting stops it
         pod.state = PodState.SERVING
         self._write_list(tier)
         joined = await self._wait_rotation(tier, service.address, present=True)
@@ -161,6 +169,12 @@ class LocalPods:
         await asyncio.to_thread(pod.service.stop, self._stop_timeout_s())
         logger.info("autoscale: %s drained: out of the rotation in %.1f s, exited (code %s) %.1f s after SIGTERM",
                     pod.service.name, left_at - began, pod.service.process.returncode, time.monotonic() - left_at)
+        self._forget(pod)
+
+    async def _stop_starting(self, pod: LocalPod) -> None:
+        """A pod no longer wanted before it serves: in no worker list, holding no request; stopped now."""
+        await asyncio.to_thread(pod.service.stop)
+        logger.info("autoscale: %s stopped before it served (no longer wanted)", pod.service.name)
         self._forget(pod)
 
     def _stop_timeout_s(self) -> float:

@@ -114,6 +114,7 @@ async def _serve(args: argparse.Namespace, config: AutoscaleConfig, launch: Laun
         planning.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await planning
+        await asyncio.to_thread(router.stop)  # first: it finishes its calls while the pods still serve them
     finally:
         await pods.close()
 

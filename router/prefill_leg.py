@@ -120,26 +120,28 @@ class PrefillLeg:
         health probes too (frozen: a pod busy computing a long queue still answers them, and one slow
         probe alone does not give up a call about to be answered)."""
         stalled_at = time.monotonic() + self._config.stall_timeout_s
+        # In flight on the worker until answered: a worker that leaves the rotation meanwhile (scaled down)
+        # keeps its channel open for this call.
         with self._prefill.use(address) as client:
             call = asyncio.ensure_future(
                 client.prefill(request_id, prompt_ids, sampling, timeout_s=deadline.remaining())
             )
-        is_answered = False
-        try:
-            while True:
-                done, _ = await asyncio.wait({call}, timeout=self._prefill.config.health_interval_s)
-                if done:
-                    result = call.result()  # raises the call's error: then the finally below runs
-                    is_answered = True
-                    return result
-                if time.monotonic() >= stalled_at and not self._prefill.is_healthy(address):
-                    raise Stalled(f"no answer for {self._config.stall_timeout_s} s, and the worker fails its "
-                                  "health probes")
-        finally:
-            if not is_answered:
-                # The answer may already be on its way; the hold it names must not wait for its lease.
-                call.add_done_callback(lambda done: self._release_unclaimed(address, request_id, done))
-                call.cancel()
+            is_answered = False
+            try:
+                while True:
+                    done, _ = await asyncio.wait({call}, timeout=self._prefill.config.health_interval_s)
+                    if done:
+                        result = call.result()  # raises the call's error: then the finally below runs
+                        is_answered = True
+                        return result
+                    if time.monotonic() >= stalled_at and not self._prefill.is_healthy(address):
+                        raise Stalled(f"no answer for {self._config.stall_timeout_s} s, and the worker fails its "
+                                      "health probes")
+            finally:
+                if not is_answered:
+                    # The answer may already be on its way; the hold it names must not wait for its lease.
+                    call.add_done_callback(lambda done: self._release_unclaimed(address, request_id, done))
+                    call.cancel()
 
     def _release_unclaimed(self, address: str, request_id: str, call: asyncio.Future) -> None:
         """A Prefill call whose answer the request will not use: end the hold the pod may have made."""

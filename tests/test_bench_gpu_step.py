@@ -53,6 +53,7 @@ def test_refuses_without_a_gpu_or_with_the_8b_on_the_cpu(bench, monkeypatch, cap
     assert "no CUDA GPU" in capsys.readouterr().err
 
 
+@pytest.mark.e2e  # builds the model and runs its decode cases: seconds
 def test_a_run_cut_short_keeps_the_cases_it_measured(bench, tmp_path, monkeypatch):
     """The GPU check's time limit can stop the bench mid-run: each case is in the JSON once measured."""
     out = tmp_path / "step.json"

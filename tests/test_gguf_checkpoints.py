@@ -53,6 +53,7 @@ def _transformers_load(path):
         attn_implementation="eager").eval()
 
 
+@pytest.mark.e2e  # 39 loads through transformers, seconds in all; the fast lane's mixed files cover every type
 @pytest.mark.parametrize("tensor_type", SUPPORTED_TENSOR_TYPES)
 @pytest.mark.parametrize("arch", list(CONFIGS))
 def test_weights_equal_transformers_load(tmp_path, arch, tensor_type):
@@ -76,6 +77,8 @@ def test_float32_file_round_trips_to_the_written_weights(tmp_path):
 
 @pytest.mark.parametrize("arch", list(CONFIGS))
 def test_greedy_tokens_equal_transformers(tmp_path, arch):
+    """A file with every tensor type at once: its weights equal transformers' load bit for bit, and so do
+    the greedy tokens."""
     path = write_gguf(tmp_path / f"{arch}-mixed.gguf", CONFIGS[arch], MIXED_TYPES)
     hf = _transformers_load(path)
     with one_torch_thread(), torch.no_grad():
@@ -84,6 +87,9 @@ def test_greedy_tokens_equal_transformers(tmp_path, arch):
                                 pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
     engine = LLMEngine(str(path), SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=256),
                        CacheConfig(block_size=16, num_blocks=64, enable_prefix_caching=True), dtype="float32")
+    theirs = hf.state_dict()
+    for name, tensor in to_hf_state_dict(engine.runner.model).items():
+        assert torch.equal(tensor, theirs[name]), name
     outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=NUM_OUTPUT, ignore_eos=True))
     assert [o.token_ids for o in outputs] == expected
 

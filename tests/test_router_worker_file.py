@@ -12,6 +12,7 @@ from proto.pdserve.v1 import decode_pb2_grpc
 from router.flags import PoolConfig, WorkerSpec, parse_worker_list, parse_worker_spec, read_worker_file
 from router.metrics import RouterMetrics
 from router.workers import WorkerPool
+from test_router_servicer import Cluster, FakeDecode, FakePrefill, expected_output, tokens
 
 
 def test_file_specs_parse_and_name_bad_lines(tmp_path):
@@ -57,5 +58,35 @@ def test_the_pool_follows_the_file_and_the_gauge_shows_its_rotation(tmp_path):
             assert pool.addresses == ["127.0.0.1:7001", "127.0.0.1:7003"]
         finally:
             await pool.close()
+
+    asyncio.run(scenario())
+
+
+class _SlowPrefill(FakePrefill):
+    """Answers a second after the call arrives: long enough to scale the pod down meanwhile."""
+
+    def __init__(self):
+        super().__init__()
+        self.arrived = asyncio.Event()
+
+    async def Prefill(self, request, context):
+        self.arrived.set()
+        await asyncio.sleep(1.0)
+        return await super().Prefill(request, context)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(60)
+def test_a_prefill_pod_leaving_the_rotation_finishes_the_call_it_is_computing():
+    async def scenario():
+        prefill, decode = _SlowPrefill(), FakeDecode()
+        async with Cluster([prefill], [decode]) as cluster:
+            request = asyncio.ensure_future(cluster.generate([5, 6, 7], max_tokens=4))
+            await asyncio.wait_for(prefill.arrived.wait(), 10)
+            cluster.prefill_pool.specs = ()  # as when its address leaves the worker list file
+            await cluster.prefill_pool.resolve()
+            assert cluster.prefill_pool.addresses == []
+            chunks = await asyncio.wait_for(request, 20)
+        assert tokens(chunks) == expected_output([5, 6, 7], 4)
 
     asyncio.run(scenario())

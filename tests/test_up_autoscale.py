@@ -107,6 +107,13 @@ def test_a_scale_down_while_requests_stream_loses_none_and_a_new_pod_joins(tmp_p
             assert await asyncio.gather(*(_stream(router.address, seed) for seed in range(4))) == [NUM_TOKENS] * 4
             await _until(lambda: _pod_reading(joined).values.get("pdserve_engine_tokens", 0) > 0, 10,
                          "the new pod to have decoded")  # round-robin: it took its share
+
+            pods.scale_to("decode", 3)  # and at once back: the pod still starting is the one that goes
+            pods.scale_to("decode", 2)
+            await pods.settled()
+            assert [p.service.name for p in pods.of("decode")] == ["decode-0", "decode-2"]
+            assert pods.num_failed_starts == 0
+            assert pods.list_file("decode").read_text().count("127.0.0.1:") == 2
         finally:
             await pods.close()
 
