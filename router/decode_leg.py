@@ -15,7 +15,7 @@ from router.flags import RouterConfig
 from router.kv_index import PromptHashes
 from router.metrics import RouterMetrics
 from router.picking import Picker, no_pick_error
-from router.policy import Pick, candidates
+from router.policy import Pick
 from router.retry import Backoff, Stalled, retry_after_s
 from router.route_call import DROPPED, HOLD_UNUSED, Hold, HoldReleases, RouteError, count_retry
 from router.workers import WorkerPool
@@ -130,10 +130,10 @@ class DecodeLeg:
                        address, error if code is None else str(code), len(work.generated_token_ids))
 
     def _pick(self, refused: list[str], prompt: PromptHashes, admitted: str | None) -> Pick:
-        if admitted is not None:
-            ready, _ = candidates(self._decode.views(), refused)
-            if any(view.address == admitted for view in ready):
-                return Pick(admitted)
+        # The pod admitted before token 1 takes the request while it serves: an overload it reported since
+        # is for new requests (a continuation is queued there, never refused for its wait).
+        if admitted is not None and admitted not in refused and self._decode.is_healthy(admitted):
+            return Pick(admitted)
         return self._picker.pick(self._decode, refused, prompt)
 
     async def _decode_on(self, address: str, work: wire.DecodeInput, generated: list[int], deadline,

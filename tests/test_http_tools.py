@@ -12,7 +12,10 @@ import openai
 import pytest
 
 from shared.serving.openai.config import HttpConfig
+from pdserve.launcher import LocalCluster
 from shared.serving.openai.tool_calls import ToolCallParser
+from shared.serving.text import TextCodec
+from split_cluster import MODEL_ARGS
 from tests.test_http_api import _all_free, _wait_pods_idle, _wait_until, colocated_http
 
 pytestmark = pytest.mark.e2e
@@ -149,3 +152,30 @@ def test_split_tool_calls_match_the_colocated_server(split_cluster):
 
 CHOICES = [dict(tool_choice=NAMED), dict(tool_choice="required"),
            dict(extra_body={"guided_regex": _regex_of(HERMES_CALL)})]
+
+
+
+def test_auto_calls_follow_the_tools_schemas_colocated_and_split(tmp_path):
+    """Plain "auto" with the llama3_json parser, the model pushed to open with "{" (logit_bias): free, the
+    tiny preset writes "{{{{..." and no call; under "auto"'s grammar a "{" can only open a call, so it writes
+    one whose arguments follow the tool's schema. The router (--tool-call-parser llama3_json) sends the
+    grammar to its pods: the split system writes the same call."""
+    brace = TextCodec.from_path("tiny").tokenizer.token_to_id("{")
+    ask = dict(model="tiny", messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=60,
+               logit_bias={str(brace): 100}, parallel_tool_calls=False)
+
+    async def colocated():
+        async with colocated_http(config=HttpConfig(tool_call_parser=ToolCallParser.LLAMA3_JSON)) as (client, pod, _):
+            answer = await client.chat.completions.create(**ask)
+            await _wait_until(lambda: _all_free(pod))
+            return answer
+
+    answer = asyncio.run(colocated())
+    [(name, arguments)] = _calls(answer.choices[0].message)
+    jsonschema.validate(arguments, {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[name])
+    assert answer.choices[0].finish_reason == "tool_calls"
+    with LocalCluster.start(pod_args=MODEL_ARGS, log_dir=tmp_path,
+                            router_args=["--tokenizer", "tiny", "--tool-call-parser", "llama3_json"]) as cluster:
+        with openai.OpenAI(base_url=cluster.router.http_url, api_key="unused", max_retries=0) as client:
+            split = client.chat.completions.create(**ask)
+    assert _calls(split.choices[0].message) == [(name, arguments)]

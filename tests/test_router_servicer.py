@@ -65,9 +65,11 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
         self.calls, self.released = [], []
         self.released_engine_ids = []
         self.release_arrived = asyncio.Event()
+        self.delay_s = 0.0  # the prompt takes this long to compute
 
     async def Prefill(self, request, context):
         self.calls.append(request)
+        await asyncio.sleep(self.delay_s)
         if self.fail_with is not None:
             await context.abort(self.fail_with, "simulated prefill failure")
         work = prefill_request_from_proto(request)
@@ -473,6 +475,25 @@ def test_a_decode_pod_silent_while_busy_is_overloaded_and_one_silent_while_idle_
             assert is_healthy is (decode is busy)
             assert (RETRY_AFTER_KEY in dict(info.value.trailing_metadata())) is (decode is busy)
             assert decode.calls == [] and len(prefill.released) == len(prefill.calls)
+
+    run(scenario())
+
+
+def test_the_decode_pod_admitted_before_token_one_serves_it_though_it_reported_overload_since():
+    """Overload a pod reports is for new requests (it queues continuations, never refuses them for their
+    wait): the request it admitted before token 1 goes to it, not into a backoff that ends in an error
+    after token 1."""
+    async def scenario():
+        prefill, decode = FakePrefill(), FakeDecode()
+        prefill.delay_s = 0.5
+        async with Cluster([prefill], [decode], decode_admit_timeout_s=0.5) as cluster:
+            call = asyncio.ensure_future(cluster.generate([3], max_tokens=6))
+            await asyncio.sleep(0.25)  # admitted; the prompt still computes
+            decode.overloaded = True
+            await cluster.decode_pool.poll()
+            got = tokens(await call)
+        assert got == expected_output([3], 6)
+        assert len(decode.calls) == 1
 
     run(scenario())
 

@@ -135,5 +135,5 @@ def _value_type(hint: Any) -> Any:
 def _help(text: str, default: Any) -> str:
     if default is None or default == "" or isinstance(default, bool):
         return text
-    shown = default.value if isinstance(default, enum.Enum) else default
-    return f"{text} (default {shown})"
+    # argparse fills in the flag's default; a parser with ArgumentDefaultsHelpFormatter then adds no second one.
+    return f"{text} (default %(default)s)"
