@@ -178,19 +178,24 @@ class KvSourceCache:
     async def _release(self, handle: KvHandle, request_id: str, prompt_digest: bytes,
                        on_result: OnReleaseResult | None) -> None:
         intact: bool | None = None  # unknown until the prefill pod answers
-        context = self.release_context(request_id) if self.release_context is not None else None
-        token = otel_context.attach(context) if context is not None else None
+        token = None
         try:
+            context = self.release_context(request_id) if self.release_context is not None else None
+            token = otel_context.attach(context) if context is not None else None
             intact = await self._client(handle.source_address).release_kv(request_id, handle.engine_id, prompt_digest)
         except grpc.aio.AioRpcError as exc:
             logger.warning("ReleaseKv(%s) at %s failed: %s", request_id, handle.source_address, exc.code())
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
                 self._sources.pop(handle.engine_id, None)  # the engine may be gone; describe it afresh
+        except Exception:  # noqa: BLE001 - unforeseen: logged, and answered as "no answer" below
+            logger.exception("ReleaseKv(%s) at %s failed", request_id, handle.source_address)
         finally:
             if token is not None:
                 otel_context.detach(token)
-        if on_result is not None:
-            on_result(request_id, intact)
+            # On every path, a cancelled call (shutdown) included: the decode connector keeps the pull, its
+            # request and its blocks until this answer comes, so a path without it would strand them.
+            if on_result is not None:
+                on_result(request_id, intact)
 
     async def close(self) -> None:
         for task in list(self._tasks):
