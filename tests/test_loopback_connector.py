@@ -320,14 +320,15 @@ def test_random_handoffs_under_pressure_leak_nothing(seed):
     assert producer.used_blocks() == 0 and consumer.used_blocks() == 0 and store.num_holds() == 0
 
 
-def test_a_head_request_that_does_not_fit_does_not_block_landed_pulls_behind_it():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_head_request_that_does_not_fit_does_not_block_landed_pulls_behind_it(async_scheduling):
     """The decode pod wedge of issue 26's second run: the only running request is preempted (to the head of the
     waiting queue) because pulls admitted behind it took the free blocks; it then needs more blocks than are free,
     and the pulled requests that hold the rest sit behind it. Stopping the waiting pass at the head left them
     there for good (0 running, blocks used, nothing logged). Requests that already hold their blocks must pass it."""
     store = LoopbackKVStore()
     producer = Engine(KVRole.PRODUCER, store, "P", num_blocks=64)
-    consumer = Engine(KVRole.CONSUMER, store, "C", num_blocks=NUM_BLOCKS)
+    consumer = Engine(KVRole.CONSUMER, store, "C", num_blocks=NUM_BLOCKS, async_scheduling=async_scheduling)
     sched = consumer.scheduler
     long_prompt = _prompt(40)
     token1, handle = _prefill(producer, "long", long_prompt)
