@@ -45,3 +45,22 @@ def assert_all_blocks_free(cluster: LocalCluster, timeout_s: float = 10.0) -> No
         if time.monotonic() > deadline:
             pytest.fail(f"blocks still in use: prefill {prefill}, decode {decode}")
         time.sleep(0.1)
+
+
+def greedy_all(address: str, prompts: list[list[int]], num_output: int) -> list[list[int]]:
+    """Every prompt sent at once to the Generate API at address (the pods batch them): num_output greedy
+    tokens each (ignore_eos), in prompt order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pdserve.client import PdserveClient
+
+    def one(prompt: list[int]) -> list[int]:
+        tokens = []
+        with PdserveClient(address) as client:
+            for chunk in client.generate(prompt, max_tokens=num_output, temperature=0.0, ignore_eos=True,
+                                         timeout=600):
+                tokens += chunk.token_ids
+        return tokens
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))

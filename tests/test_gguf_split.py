@@ -3,8 +3,6 @@ split system (router, prefill, NIXL pull, decode) and by the colocated server gi
 tokens on the same file, token for token, and the split system frees every block."""
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 import torch
 
@@ -12,9 +10,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers needs it to load a GGUF
 
 from gguf_files import write_gguf  # noqa: E402
-from pdserve.client import PdserveClient  # noqa: E402
 from pdserve.launcher import HOST, LocalCluster, free_port, start_service, wait_serving  # noqa: E402
-from split_cluster import assert_all_blocks_free  # noqa: E402
+from split_cluster import assert_all_blocks_free, greedy_all  # noqa: E402
 from test_gguf_checkpoints import CONFIGS, MIXED_TYPES, NUM_OUTPUT, PROMPTS, _transformers_load  # noqa: E402
 from torch_threads import one_torch_thread  # noqa: E402
 
@@ -29,20 +26,6 @@ def _transformers_greedy(path) -> list[list[int]]:
                                pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
 
 
-def _greedy_all(address: str) -> list[list[int]]:
-    """Every prompt at once (the pods batch them), NUM_OUTPUT greedy tokens each."""
-    def one(prompt: list[int]) -> list[int]:
-        tokens = []
-        with PdserveClient(address) as client:
-            for chunk in client.generate(prompt, max_tokens=NUM_OUTPUT, temperature=0.0, ignore_eos=True,
-                                         timeout=300):
-                tokens += chunk.token_ids
-        return tokens
-
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        return list(pool.map(one, PROMPTS))
-
-
 @pytest.mark.parametrize("arch", list(CONFIGS))
 def test_split_and_colocated_equal_transformers_on_a_gguf_file(tmp_path, arch):
     path = write_gguf(tmp_path / f"{arch}-mixed.gguf", CONFIGS[arch], MIXED_TYPES)
@@ -54,9 +37,9 @@ def test_split_and_colocated_equal_transformers_on_a_gguf_file(tmp_path, arch):
                               address=f"{HOST}:{port}", log_dir=tmp_path)
     try:
         with LocalCluster.start(pod_args=pod_args, log_dir=tmp_path, timeout_s=300) as cluster:
-            assert _greedy_all(cluster.router.address) == expected
+            assert greedy_all(cluster.router.address, PROMPTS, NUM_OUTPUT) == expected
             assert_all_blocks_free(cluster)
             wait_serving(colocated, timeout_s=300)
-            assert _greedy_all(colocated.address) == expected
+            assert greedy_all(colocated.address, PROMPTS, NUM_OUTPUT) == expected
     finally:
         colocated.stop()

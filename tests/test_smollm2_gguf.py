@@ -4,16 +4,13 @@ the colocated server both give transformers' greedy tokens, loading the same fil
 tokenizer and chat template built from the file's metadata equal transformers' own."""
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 import torch
 
-from pdserve.client import PdserveClient
 from pdserve.launcher import HOST, LocalCluster, free_port, start_service, wait_serving
 from shared.engine.model.fetched_presets import fetch_preset
 from shared.serving.text import TextCodec
-from split_cluster import assert_all_blocks_free
+from split_cluster import assert_all_blocks_free, greedy_all
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -102,28 +99,14 @@ def expected(reference) -> dict[str, tuple[list[int], list[int]]]:
     return out
 
 
-def _greedy_all(address: str, prompts: list[list[int]]) -> list[list[int]]:
-    """Every prompt at once (the pods batch them), NUM_OUTPUT greedy tokens each."""
-    def one(prompt: list[int]) -> list[int]:
-        tokens = []
-        with PdserveClient(address) as client:
-            for chunk in client.generate(prompt, max_tokens=NUM_OUTPUT, temperature=0.0, ignore_eos=True,
-                                         timeout=600):
-                tokens += chunk.token_ids
-        return tokens
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, prompts))
-
-
 def test_split_and_colocated_equal_transformers_token_for_token(expected, systems):
     router, _, colocated, cluster = systems
     prompts = [prompt for prompt, _ in expected.values()]
     references = [tokens for _, tokens in expected.values()]
-    split = _greedy_all(router, prompts)
+    split = greedy_all(router, prompts, NUM_OUTPUT)
     for question, got, want in zip(expected, split, references):
         assert got == want, question
-    assert _greedy_all(colocated, prompts) == split
+    assert greedy_all(colocated, prompts, NUM_OUTPUT) == split
     assert_all_blocks_free(cluster)
 
 
