@@ -116,6 +116,13 @@ class WorkerPool:
             await asyncio.sleep(interval_s)
             try:
                 await action()
+            except asyncio.CancelledError:
+                # A call cancelled under the round (a removed worker's channel closed while its probe was in
+                # flight) must not end the loop: only this task's own cancellation (close()) does.
+                if asyncio.current_task().cancelling():
+                    raise
+                logger.warning("%s pool: a call of the periodic %s was cancelled; next round in %.1f s",
+                               self.tier, action.__name__, interval_s)
             except Exception:  # noqa: BLE001 - a failed round must not end the loop
                 logger.exception("%s pool: periodic %s failed", self.tier, action.__name__)
 
@@ -169,7 +176,12 @@ class WorkerPool:
 
     # ---- health and load ----------------------------------------------------------------------
     async def poll(self) -> None:
-        await asyncio.gather(*(self._probe(w) for w in list(self._workers.values())))
+        # One worker's probe failing in an unforeseen way (cancelled by its channel's close when the worker
+        # left the set) must not cost the others their round.
+        results = await asyncio.gather(*(self._probe(w) for w in list(self._workers.values())),
+                                       return_exceptions=True)
+        for error in (r for r in results if isinstance(r, BaseException)):
+            logger.warning("%s pool: a probe ended with %r", self.tier, error)
         if self._on_poll is not None:
             await self._on_poll()
 

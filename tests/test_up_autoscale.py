@@ -22,7 +22,7 @@ from planner.readings import parse_reading
 
 POD_ARGS = ["--model", "tiny", "--dtype", "float32", "--seed", "0", "--max-num-seqs", "8", "--num-blocks", "256"]
 VOCAB_SIZE = 4096  # of the tiny preset
-NUM_STREAMS, NUM_TOKENS = 8, 96
+NUM_STREAMS, NUM_TOKENS = 8, 600  # long enough to be decoding when the gauge is read (every 0.5 s)
 
 
 def test_the_start_counts_must_fit_the_policy():
