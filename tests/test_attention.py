@@ -32,6 +32,7 @@ def test_fresh_prompt_runs_group_adjacent_equal_lengths():
     assert [[span.query_start for span in run] for run in runs] == [[0, 5], [10], [13], [20]]
 
 
+@pytest.mark.slow
 def test_prefill_batch_matches_each_prompt_alone():
     gen = torch.Generator().manual_seed(0)
     lengths = [5, 5, 5, 3, 7, 7]

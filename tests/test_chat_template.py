@@ -148,6 +148,7 @@ def reference(directory: Path):
     return transformers.AutoTokenizer.from_pretrained(str(directory))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_renders_and_encodes_exactly_as_transformers(tmp_path, name, add_generation_prompt):

@@ -40,6 +40,7 @@ def _with_weights(src, dst, **changes):
 
 # ---- weight shapes, each checked before q|k|v and gate|up are fused ----------------------------------------
 
+@pytest.mark.slow
 def test_k_and_v_of_wrong_rows_are_refused_though_their_sum_fits(checkpoint, tmp_path):
     # k 8 rows + v 24 rows = the expected 16 + 16: a check of the fused q|k|v alone let this load.
     path = _with_weights(checkpoint, tmp_path / "kv", **{"model/layers/0/self_attn/k_proj/weight": torch.zeros(8, 32),

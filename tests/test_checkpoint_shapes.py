@@ -98,6 +98,7 @@ def _check(engine: LLMEngine, prompts, references) -> None:
         assert output.token_ids == references[tuple(prompt)], f"prompt of {len(prompt)} tokens"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120, method="thread")
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_greedy_tokens_match_transformers(checkpoints, name):
@@ -192,6 +193,7 @@ def _assert_same_or_bfloat16_tie(ours: list[int], theirs: list[int], logits: lis
                                f"chose {theirs[first]} ({its}): {its - mine} apart, more than one bfloat16 step ({tie})")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180, method="thread")
 @pytest.mark.parametrize("head_dim", [8, 12])
 def test_bfloat16_small_head_sizes_match_transformers(tmp_path, head_dim):

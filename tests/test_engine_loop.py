@@ -94,6 +94,7 @@ class _CountingConnector(KVConnectorBase):
         self.num_idle_progress += 1
 
 
+@pytest.mark.slow
 def test_an_idle_loop_keeps_its_kv_transfers_progressing():
     """A peer's READ can outlive the hold it reads (its client hung up): with no work left, this side's
     UCX must still advance, or that READ and the peer's blocks wait for the next request."""

@@ -75,6 +75,7 @@ def test_float32_file_round_trips_to_the_written_weights(tmp_path):
     assert loaded.config.tie_word_embeddings is False and loaded.config.dtype == "float32"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(CONFIGS))
 def test_greedy_tokens_equal_transformers(tmp_path, arch):
     """A file with every tensor type at once: its weights equal transformers' load bit for bit, and so do

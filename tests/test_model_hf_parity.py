@@ -98,6 +98,7 @@ def _engine(path, scheduler_kwargs, cache_kwargs, device: str = "cpu") -> LLMEng
     return LLMEngine(path, scheduler_config, cache_config, device=device)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("model_name", list(MODELS))
@@ -239,6 +240,7 @@ def _write_config(path, **changes) -> None:
     (path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120, method="thread")
 @pytest.mark.parametrize("name", list(LAYER_TYPE_CASES))
 def test_layer_types_slide_the_layers_transformers_slides(tmp_path, name):

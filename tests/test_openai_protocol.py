@@ -272,6 +272,7 @@ def test_incremental_detokenization_is_exact_across_multibyte_characters():
     assert all("\ufffd" not in piece for piece in pieces)  # no half characters on the way
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", TOKENIZER_PRESETS)
 def test_chat_template_renders_exactly_as_transformers(preset):
     from transformers import PreTrainedTokenizerFast

@@ -99,6 +99,7 @@ def test_output_logprobs_are_the_raw_log_softmax():
     dict(min_tokens=6, logit_bias={EOS_TOKEN_ID: 30.0}),
     dict(logprobs=3),
 ])
+@pytest.mark.slow
 def test_continued_request_samples_like_the_whole_request(engine, options):
     params = SamplingParams(max_tokens=10, **options)
     [whole] = engine.generate([PROMPT], params)
