@@ -26,7 +26,9 @@ from shared.engine.request import FinishReason, SamplingParams
 from shared.serving import fan_out
 from shared.serving.generate_rpc import serve_generate
 from shared.serving.generation import CallEnded, GenerateChunk, GenerateInput, OnEnd, prompt_token_ids
-from shared.serving.pod.outcomes import CANCELLED, ERROR, INVALID, OK, outcome_of_code, prompt_too_long
+from shared.serving.pod.outcomes import (
+    CANCELLED, ERROR, INVALID, OK, InvalidRequest, check_context_length, outcome_of_code,
+)
 from shared.serving.output_text import OutputText
 from shared.serving.text import TextCodec
 
@@ -166,9 +168,11 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         # An unset max_tokens is the pods' to fill (the checkpoint's max_new_tokens fits the room left).
         named_max_tokens = None if "max_tokens" in sampling.unset else sampling.max_tokens
         max_model_len = self.max_model_len
-        if max_model_len is not None and len(prompt_ids) + (named_max_tokens or 1) > max_model_len:
-            error = prompt_too_long(len(prompt_ids), named_max_tokens, max_model_len)
-            raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        if max_model_len is not None:
+            try:
+                check_context_length(len(prompt_ids), named_max_tokens, max_model_len)
+            except InvalidRequest as exc:
+                raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         return prompt_ids, sampling
 
     @property

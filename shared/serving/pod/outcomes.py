@@ -31,15 +31,18 @@ class InvalidRequest(CallError, ValueError):
         self.param = param
 
 
-def prompt_too_long(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> InvalidRequest:
-    """The refusal of a prompt that, with max_tokens (None: the caller named none, so at least one token),
-    passes the model's length, in OpenAI's words (clients detect a context overflow by them)."""
+def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """The one length rule of serving, applied by the router before it forwards a request and by a pod for
+    its direct callers: the prompt and max_tokens (None: the caller named none, so at least one token) fit
+    the model's length, or InvalidRequest in OpenAI's words (clients detect a context overflow by them)."""
     num_completion_tokens = 1 if max_tokens is None else max_tokens
+    if num_prompt_tokens + num_completion_tokens <= max_model_len:
+        return
     reduce = "the messages" if max_tokens is None else "the messages or completion"
-    return InvalidRequest(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                          f"{num_prompt_tokens + num_completion_tokens} tokens ({num_prompt_tokens} in the messages, "
-                          f"{num_completion_tokens} in the completion). Please reduce the length of {reduce}.",
-                          param="messages")
+    raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                         f"{num_prompt_tokens + num_completion_tokens} tokens ({num_prompt_tokens} in the messages, "
+                         f"{num_completion_tokens} in the completion). Please reduce the length of {reduce}.",
+                         param="messages")
 
 
 class DuplicateRequestId(CallError):

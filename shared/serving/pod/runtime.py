@@ -26,7 +26,7 @@ from shared.engine.model.generation_config import (
 )
 from shared.engine.model.loader import DTYPE_AUTO, DTYPE_CHOICES, load_model
 from shared.engine.request import Request, SamplingParams
-from shared.serving.pod.outcomes import InvalidRequest, PodOverloaded, prompt_too_long
+from shared.serving.pod.outcomes import InvalidRequest, PodOverloaded, check_context_length
 from shared.serving.server.settings import engine_settings, setting, settings_group
 from shared.serving.server.tls import TlsConfig
 
@@ -244,9 +244,8 @@ class Pod:
         (the prefill pod's handoff, the decode pod's continuation). A decode pod gets them already filled
         from a prefill pod (PrefillResponse.resolved_sampling) and fills only those sent without a prefill."""
         filled = self.engine.generation.fill(sampling, self.max_model_len - num_prompt_tokens)
-        if num_prompt_tokens + filled.max_tokens > self.max_model_len:  # vLLM rejects, never caps
-            named = None if "max_tokens" in sampling.unset else filled.max_tokens
-            raise prompt_too_long(num_prompt_tokens, named, self.max_model_len)
+        named = None if "max_tokens" in sampling.unset else filled.max_tokens
+        check_context_length(num_prompt_tokens, named, self.max_model_len)  # vLLM rejects, never caps
         return filled
 
     def check_room(self, num_requests: int) -> None:
