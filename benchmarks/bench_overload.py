@@ -1,10 +1,14 @@
-"""Overload with the pods' default limits (or --max-queue-time): the split system (router + prefill + decode processes on
-127.0.0.1) measured unloaded, at capacity, then offered twice its capacity. Prints the p50 latency of
-the served requests against the unloaded figure, the requests refused (and whether before or after
-token 1: after token 1 there must be none), the peak decode queue, and a burst all at once after it that
-fits the queue-time budget (served whole).
+"""Overload, side by side in one run: the split system (router + prefill + decode processes on 127.0.0.1)
+first with the pods' default limits, then with --max-queue-time. Each is measured unloaded, at capacity,
+then offered twice its capacity. Prints the p50 latency of the served requests against the unloaded
+figure, the requests refused (and whether before or after token 1: after token 1 there must be none), the
+peak decode queue, and a burst all at once after it that fits the queue-time budget (served whole).
 
-    python benchmarks/bench_overload.py [--input-len 128] [--output-len 64] [--duration 20] [--max-queue-time 1]
+A pod predicts a new request's time in the system from the requests in flight and the rate it finishes
+them (Little's law), so a budget near the unloaded latency keeps each tier's share of a served request's
+latency near it. Without --max-queue-time the budget is the unloaded p50 the default-limits run measured.
+
+    python benchmarks/bench_overload.py [--input-len 128] [--output-len 64] [--duration 20] [--max-queue-time S]
 """
 from __future__ import annotations
 
@@ -49,16 +53,22 @@ async def _watch_decode_queue(address: str, peak: list[int], stop: asyncio.Event
             await asyncio.sleep(0.1)
 
 
+async def _capacity(client: AsyncPdserveClient, config: WorkloadConfig) -> float:
+    """Served requests per second in a burst of one full batch per pod."""
+    burst = generate_workload(replace(config, num_requests=64, seed=2))
+    burst_records, burst_s = await run_workload(client, burst, progress=False, id_prefix="capacity")
+    return sum(r.is_success for r in burst_records) / burst_s
+
+
 async def measure(router: str, decode: str, config: WorkloadConfig, duration_s: float,
-                  budget_s: float | None) -> dict:
+                  budget_s: float | None, capacity: float | None) -> dict:
+    """capacity: the default-limits run's (None: measure it here; a budget refuses most of a burst)."""
     async with AsyncPdserveClient(router) as client:
         await run_workload(client, generate_workload(replace(config, num_requests=4, seed=99)), progress=False,
                            id_prefix="warmup")
         unloaded = await _unloaded(client, generate_workload(replace(config, num_requests=12, seed=1)))
-        # Capacity: a burst of one full batch per pod, served requests per second.
-        burst = generate_workload(replace(config, num_requests=64, seed=2))
-        burst_records, burst_s = await run_workload(client, burst, progress=False, id_prefix="capacity")
-        capacity = sum(r.is_success for r in burst_records) / burst_s
+        if capacity is None:
+            capacity = await _capacity(client, config)
         rate = 2 * capacity
         overload = generate_workload(replace(config, num_requests=max(1, round(rate * duration_s)), rate=rate, seed=3))
         peak, stop = [0], asyncio.Event()
@@ -88,7 +98,7 @@ def report(figures: dict) -> str:
     served_p50 = _p50_e2e(records) if served else float("nan")
     lines = [
         f"unloaded (one at a time, {len(figures['unloaded'])} requests): p50 e2e {unloaded_p50 * 1000:.0f} ms",
-        f"capacity (burst of 64): {figures['capacity']:.1f} requests/s",
+        f"capacity (a burst of 64 with the default limits): {figures['capacity']:.1f} requests/s",
         f"2x overload: offered {figures['rate']:.1f} requests/s, {len(records)} requests",
         f"  served {len(served)}, p50 e2e {served_p50 * 1000:.0f} ms = {served_p50 / unloaded_p50:.2f}x unloaded "
         f"(p90 {percentile([r.e2e_s for r in served], 90) * 1000:.0f} ms)" if served else "  served 0",
@@ -101,6 +111,15 @@ def report(figures: dict) -> str:
     return "\n".join(lines)
 
 
+def _run(pod_args: list[str], config: WorkloadConfig, duration_s: float, budget_s: float | None,
+         capacity: float | None = None) -> dict:
+    with tempfile.TemporaryDirectory() as logs, LocalCluster.start(
+        pod_args=pod_args, log_dir=Path(logs), timeout_s=600
+    ) as cluster:
+        return asyncio.run(measure(cluster.router.address, cluster.by_name("decode-0").address, config,
+                                   duration_s, budget_s, capacity))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
@@ -110,22 +129,23 @@ def main() -> None:
     parser.add_argument("--max-requests-in-flight", type=int, default=None,
                         help="the pods' admission limit (default: the pods' own default)")
     parser.add_argument("--max-queue-time", type=float, default=None,
-                        help="the pods' predicted-wait limit in seconds (default: none)")
+                        help="the second run's predicted-wait limit in seconds (default: the unloaded p50 of the "
+                             "first run)")
     args = parser.parse_args()
     config = WorkloadConfig(input_len=args.input_len, output_len=args.output_len, range_ratio=0.0)
     pod_args = ["--model", args.model]
     if args.max_requests_in_flight is not None:
         pod_args += ["--max-requests-in-flight", str(args.max_requests_in_flight)]
-    if args.max_queue_time is not None:
-        pod_args += ["--max-queue-time", str(args.max_queue_time)]
-    with tempfile.TemporaryDirectory() as logs, LocalCluster.start(
-        pod_args=pod_args, log_dir=Path(logs), timeout_s=600
-    ) as cluster:
-        figures = asyncio.run(measure(cluster.router.address, cluster.by_name("decode-0").address, config,
-                                      args.duration, args.max_queue_time))
-    limits = f"--max-queue-time {args.max_queue_time}" if args.max_queue_time is not None else "the default limits"
-    print(f"pods with {limits}")
-    print(report(figures))
+    default_run = _run(pod_args, config, args.duration, None)
+    print("pods with the default limits")
+    print(report(default_run))
+    budget_s = args.max_queue_time
+    if budget_s is None:
+        budget_s = round(_p50_e2e(default_run["unloaded"]), 3)
+    budget_run = _run(pod_args + ["--max-queue-time", str(budget_s)], config, args.duration, budget_s,
+                      capacity=default_run["capacity"])
+    print(f"\npods with --max-queue-time {budget_s:g}")
+    print(report(budget_run))
 
 
 if __name__ == "__main__":
