@@ -12,38 +12,19 @@ is one of json_schema (a dict or JSON text), json_object=True, regex or grammar.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 
 from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
-from shared.serving.wire.common import (
-    finish_reason_from_proto, sampling_params_to_proto, token_logprobs_from_proto,
-)
+from shared.serving.generation import GenerateChunk
+from shared.serving.wire.generate import generate_chunk_from_proto
+from shared.serving.wire.common import sampling_params_to_proto
 from shared.serving.server.api_auth import bearer_metadata
 from shared.serving.server.tls import TlsConfig
-from shared.engine.request import MODEL_DEFAULT_FIELDS, FinishReason, SamplingParams, StructuredOutputSpec
-from shared.engine.request import TokenLogprobs
+from shared.engine.request import MODEL_DEFAULT_FIELDS, SamplingParams, StructuredOutputSpec
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class GenerateChunk:
-    """One streamed piece of a completion; finish_reason is set on the last one."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id, when asked for
-    index: int = 0  # which of the n completions
-    stop_string: str = ""  # the stop string that ended the completion
-    # On a completion's first chunk, when asked for (prompt_logprobs=k): one per prompt token after the first.
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 def _structured_output(sampling: dict) -> StructuredOutputSpec | None:
@@ -73,21 +54,6 @@ def build_generate_request(
     else:
         message.token_ids.ids.extend(int(t) for t in prompt)
     return message
-
-
-def chunk_from_proto(message: generate_pb2.GenerateResponse) -> GenerateChunk:
-    return GenerateChunk(
-        request_id=message.request_id,
-        token_ids=list(message.token_ids),
-        text=message.text,
-        finish_reason=finish_reason_from_proto(message.finish_reason),
-        num_prompt_tokens=message.num_prompt_tokens,
-        num_output_tokens=message.num_output_tokens,
-        logprobs=[token_logprobs_from_proto(entry) for entry in message.logprobs],
-        index=message.index,
-        stop_string=message.stop_string,
-        prompt_logprobs=[token_logprobs_from_proto(entry) for entry in message.prompt_logprobs],
-    )
 
 
 def _auth_metadata(api_token: str | None) -> tuple[tuple[str, str], ...]:
@@ -125,7 +91,7 @@ class PdserveClient:
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             for message in call:
-                yield chunk_from_proto(message)
+                yield generate_chunk_from_proto(message)
         finally:
             call.cancel()  # no-op once the stream has ended
 
@@ -161,7 +127,7 @@ class AsyncPdserveClient:
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             async for message in call:
-                yield chunk_from_proto(message)
+                yield generate_chunk_from_proto(message)
         finally:
             call.cancel()
 

@@ -11,7 +11,10 @@ from shared.serving.wire.common import (
 from shared.serving.wire.decode import (
     decode_chunk_from_proto, decode_chunk_to_proto, decode_request_from_proto, decode_request_to_proto, kv_pull_stats_from_proto, kv_pull_stats_to_proto,
 )
-from shared.serving.wire.generate import generate_prompt_from_proto
+from shared.serving.generation import GenerateChunk
+from shared.serving.wire.generate import (
+    generate_chunk_from_proto, generate_chunk_to_proto, generate_prompt_from_proto,
+)
 from shared.serving.wire.prefill import (
     kv_source_from_proto, kv_source_to_proto, prefill_request_from_proto, prefill_request_to_proto, prefill_result_from_proto, prefill_result_to_proto,
 )
@@ -257,6 +260,16 @@ def test_decode_payloads():
                                 prompt_logprobs=[TokenLogprobs(2, -0.5, ((2, -0.5), (7, -1.5)))])
     assert decode_chunk_from_proto(decode_chunk_to_proto(chunk)) == chunk
     assert decode_chunk_from_proto(decode_pb2.DecodeResponse(token_ids=[3])) == wire.DecodeChunk([3])
+
+
+def test_generate_chunk_round_trip():
+    chunk = GenerateChunk("r", [5, 6], num_prompt_tokens=3, num_output_tokens=2, text="ab",
+                          finish_reason=FinishReason.STOP, logprobs=[TokenLogprobs(5, -0.1, ((5, -0.1),)),
+                                                                     TokenLogprobs(6, -0.2, ((6, -0.2),))],
+                          index=1, stop_string="x", prompt_logprobs=[TokenLogprobs(2, -0.5, ((2, -0.5),))])
+    assert generate_chunk_from_proto(generate_chunk_to_proto(chunk)) == chunk
+    unfinished = GenerateChunk("r", [5], num_prompt_tokens=3, num_output_tokens=1)
+    assert generate_chunk_from_proto(generate_chunk_to_proto(unfinished)) == unfinished
 
 
 def test_generate_prompt():

@@ -12,7 +12,8 @@ import signal
 import grpc
 import pytest
 
-from pdserve.client import build_generate_request, chunk_from_proto
+from pdserve.client import build_generate_request
+from shared.serving.wire.generate import generate_chunk_from_proto
 from pdserve.launcher import LocalCluster
 from proto.pdserve.v1 import decode_pb2_grpc, generate_pb2_grpc
 from split_cluster import load_report
@@ -46,7 +47,7 @@ class _Stream:
                              timeout=DEADLINE_S)
         try:
             async for message in call:
-                self.tokens.extend(chunk_from_proto(message).token_ids)
+                self.tokens.extend(generate_chunk_from_proto(message).token_ids)
             self.code = await call.code()
         except grpc.aio.AioRpcError as exc:
             self.code = exc.code()

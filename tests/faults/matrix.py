@@ -12,7 +12,8 @@ from typing import Callable
 
 import grpc
 
-from pdserve.client import build_generate_request, chunk_from_proto
+from pdserve.client import build_generate_request
+from shared.serving.wire.generate import generate_chunk_from_proto
 from proto.pdserve.v1 import generate_pb2_grpc
 
 HUNG_MARGIN_S = 5.0
@@ -102,7 +103,7 @@ class Load:
             canceller = asyncio.get_running_loop().call_later(shot.cancel_after_s, call.cancel)
         try:
             async for message in call:
-                chunk = chunk_from_proto(message)
+                chunk = generate_chunk_from_proto(message)
                 if result.first_token_at is None:
                     result.first_token_at = time.monotonic()
                 result.tokens.extend(chunk.token_ids)

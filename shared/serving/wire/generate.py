@@ -4,7 +4,8 @@ from __future__ import annotations
 from proto.pdserve.v1 import generate_pb2
 from shared.serving.generation import GenerateChunk, GenerateInput, check_request_id
 from shared.serving.wire.common import (
-    finish_reason_to_proto, sampling_params_from_proto, token_logprobs_to_proto, token_ids_from_proto,
+    finish_reason_from_proto, finish_reason_to_proto, sampling_params_from_proto, token_logprobs_from_proto,
+    token_logprobs_to_proto, token_ids_from_proto,
 )
 
 
@@ -40,4 +41,19 @@ def generate_chunk_to_proto(chunk: GenerateChunk) -> generate_pb2.GenerateRespon
         index=chunk.index,
         stop_string=chunk.stop_string,
         prompt_logprobs=[token_logprobs_to_proto(entry) for entry in chunk.prompt_logprobs],
+    )
+
+
+def generate_chunk_from_proto(message: generate_pb2.GenerateResponse) -> GenerateChunk:
+    return GenerateChunk(
+        request_id=message.request_id,
+        token_ids=list(message.token_ids),
+        text=message.text,
+        finish_reason=finish_reason_from_proto(message.finish_reason),
+        num_prompt_tokens=message.num_prompt_tokens,
+        num_output_tokens=message.num_output_tokens,
+        logprobs=[token_logprobs_from_proto(entry) for entry in message.logprobs],
+        index=message.index,
+        stop_string=message.stop_string,
+        prompt_logprobs=[token_logprobs_from_proto(entry) for entry in message.prompt_logprobs],
     )
