@@ -23,10 +23,10 @@ sys.path.insert(0, str(REPO))
 
 from pdserve.launcher import free_port  # noqa: E402
 from shared.engine.model.fetched_presets import fetch_preset  # noqa: E402
+from vllm_side import DEFAULT_VLLM_PYTHON, vllm_env, vllm_server_command  # noqa: E402
 
 NUM_OFFLINE, PROMPT_LEN, OUTPUT_LEN = 64, 128, 64
 VOCAB = 49152
-VLLM_PYTHON = "/work/cache/vllm-venv/bin/python"
 
 # Offline workers run in a fresh process each (their own thread pool and memory), print one JSON line.
 PDSERVE_OFFLINE = """
@@ -56,11 +56,6 @@ llm.generate(prompts[:4], params, use_tqdm=False)
 start = time.perf_counter(); out = llm.generate(prompts, params, use_tqdm=False); elapsed = time.perf_counter() - start
 print(json.dumps({{"tok_s": sum(len(o.outputs[0].token_ids) for o in out) / elapsed, "dtype": {dtype!r}}}))
 """
-
-
-def vllm_env(threads: int) -> dict[str, str]:
-    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-            "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": str(threads)}
 
 
 def export_safetensors(gguf: Path, out: Path) -> Path:
@@ -149,10 +144,7 @@ def pdserve_up(shape: list[str], name: str, args: argparse.Namespace) -> dict:
 
 def vllm_serve(model_dir: Path, args: argparse.Namespace) -> dict:
     port = free_port()
-    # vLLM's OpenAI server module itself: `vllm serve` asks for the "vllm" distribution's version, which the
-    # vllm-cpu package does not provide.
-    command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", args.vllm_dtype, "--port", str(port), "--host", "127.0.0.1",
-               "--max-model-len", "1024", "--served-model-name", "smollm2", "--seed", "0"]
+    command = vllm_server_command(args.vllm_python, str(model_dir), "127.0.0.1", port, args.vllm_dtype, 1024, "smollm2")
     return serve_and_bench("vllm", command, f"http://127.0.0.1:{port}/v1", args, env=vllm_env(os.cpu_count() or 2))
 
 
@@ -207,7 +199,7 @@ def print_summary(offline_results: dict, serving: dict, args: argparse.Namespace
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vllm-python", default=VLLM_PYTHON if Path(VLLM_PYTHON).is_file() else "",
+    parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON if Path(DEFAULT_VLLM_PYTHON).is_file() else "",
                         help="the python of a venv with vLLM (empty: pdserve only)")
     parser.add_argument("--dtype", default="auto", help="pdserve up's --dtype for the serving runs")
     parser.add_argument("--num-requests", type=int, default=128)

@@ -21,6 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from vllm_side import DEFAULT_VLLM_PYTHON, vllm_env, vllm_server_command  # noqa: E402
+
 # The offline run in either engine: prompts from bench_throughput's seeded RNG, tok/s of each timed
 # run on stdout as JSON. {engine} is pdserve or vllm.
 OFFLINE_CHILD = r"""
@@ -63,12 +65,6 @@ if __name__ == "__main__":  # vLLM starts its engine core by spawn, which import
 """
 
 
-def vllm_env(threads: int) -> dict[str, str]:
-    """vLLM's CPU worker on `threads` cores (its OpenMP threads bound to them) and a 2 GiB KV pool."""
-    return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "2",
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": str(threads)}
-
-
 def offline(engine: str, python: str, args: argparse.Namespace) -> list[float]:
     code = OFFLINE_CHILD.format(repo=str(REPO), model=args.model, dtype=args.dtype, threads=args.threads,
                                 runs=args.runs, engine=engine)
@@ -87,10 +83,7 @@ def start_server(engine: str, python: str, args: argparse.Namespace, log: Path) 
 
     port = free_port()
     if engine == "vllm":
-        # vLLM's OpenAI server module itself: `vllm serve` asks for the "vllm" distribution's version, which
-        # the vllm-cpu package does not provide.
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--host", HOST, "--port", str(port),
-               "--dtype", args.dtype, "--max-model-len", "512", "--seed", "0", "--served-model-name", "m"]
+        cmd = vllm_server_command(python, args.model, HOST, port, args.dtype, 512, "m")
         env = vllm_env(args.threads)
     else:
         cmd = [python, "-m", "colocated_svc", "--host", HOST, "--port", str(free_port()), "--http-port", str(port),
@@ -149,7 +142,7 @@ def serving(engine: str, python: str, args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="HF model directory both engines load")
-    parser.add_argument("--vllm-python", default="/work/cache/vllm-venv/bin/python", help="python of vLLM's venv")
+    parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="python of vLLM's venv")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3, help="offline timed runs per engine (median)")
