@@ -9,7 +9,7 @@ import enum
 import logging
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterator, Sequence
 
 import grpc
@@ -41,6 +41,12 @@ class Admission(enum.Enum):
     UNAVAILABLE = "unavailable"  # not serving, or silent while nothing shows it busy (frozen)
 
 
+def _set_event() -> asyncio.Event:
+    event = asyncio.Event()
+    event.set()
+    return event
+
+
 @dataclass
 class _Worker:
     address: str
@@ -57,6 +63,8 @@ class _Worker:
     probe_problem: str | None = None  # why the last probe found it unhealthy (logged when it changes)
     num_slow_probes: int = 0  # consecutive probes that timed out
     last_heard: float = float("-inf")  # monotonic time a request call last got a message from it
+    # Clear while a probe is in flight: closing the channels under it would cancel it inside a poll round.
+    probe_done: asyncio.Event = field(default_factory=_set_event)
 
 
 class WorkerPool:
@@ -116,13 +124,6 @@ class WorkerPool:
             await asyncio.sleep(interval_s)
             try:
                 await action()
-            except asyncio.CancelledError:
-                # A call cancelled under the round (a removed worker's channel closed while its probe was in
-                # flight) must not end the loop: only this task's own cancellation (close()) does.
-                if asyncio.current_task().cancelling():
-                    raise
-                logger.warning("%s pool: a call of the periodic %s was cancelled; next round in %.1f s",
-                               self.tier, action.__name__, interval_s)
             except Exception:  # noqa: BLE001 - a failed round must not end the loop
                 logger.exception("%s pool: periodic %s failed", self.tier, action.__name__)
 
@@ -167,6 +168,8 @@ class WorkerPool:
 
     @staticmethod
     async def _close(worker: _Worker) -> None:
+        """Closes a worker's channels once its probe in flight, if any, has ended (within its timeouts)."""
+        await worker.probe_done.wait()
         await worker.channel.close()
         if worker.probe_channel is not worker.channel:
             await worker.probe_channel.close()
@@ -176,8 +179,7 @@ class WorkerPool:
 
     # ---- health and load ----------------------------------------------------------------------
     async def poll(self) -> None:
-        # One worker's probe failing in an unforeseen way (cancelled by its channel's close when the worker
-        # left the set) must not cost the others their round.
+        # One worker's probe failing in an unforeseen way must not cost the others their round.
         results = await asyncio.gather(*(self._probe(w) for w in list(self._workers.values())),
                                        return_exceptions=True)
         for error in (r for r in results if isinstance(r, BaseException)):
@@ -186,6 +188,13 @@ class WorkerPool:
             await self._on_poll()
 
     async def _probe(self, worker: _Worker) -> None:
+        worker.probe_done.clear()
+        try:
+            await self._check(worker)
+        finally:
+            worker.probe_done.set()
+
+    async def _check(self, worker: _Worker) -> None:
         timeout = self.config.probe_timeout_s
         try:
             health = await worker.health_stub.Check(

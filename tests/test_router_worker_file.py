@@ -4,8 +4,11 @@ is rewritten, keeps its last set when the file cannot be read, and exports its r
 from __future__ import annotations
 
 import asyncio
+import logging
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest
 
 from proto.pdserve.v1 import decode_pb2_grpc
@@ -90,3 +93,49 @@ def test_a_prefill_pod_leaving_the_rotation_finishes_the_call_it_is_computing():
         assert tokens(chunks) == expected_output([5, 6, 7], 4)
 
     asyncio.run(scenario())
+
+
+class _SlowHealth(health_pb2_grpc.HealthServicer):
+    """Answers a health probe half a second after it arrives, NOT_SERVING (so no load probe follows)."""
+
+    def __init__(self):
+        self.arrived = asyncio.Event()
+
+    async def Check(self, request, context):
+        self.arrived.set()
+        await asyncio.sleep(0.5)
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(60)
+def test_a_worker_leaving_the_list_under_a_probe_is_closed_after_the_probe_not_under_it(tmp_path, caplog):
+    """Closing a removed worker's channel under its probe would cancel the probe inside the poll round (a
+    CancelledError there once ended the tier's health loop for good)."""
+    listing = tmp_path / "decode.pods"
+
+    async def scenario():
+        health = _SlowHealth()
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        listing.write_text(f"127.0.0.1:{port}\n")
+        pool = WorkerPool("decode", [parse_worker_spec(f"file:{listing}")], decode_pb2_grpc.DecodeServiceStub,
+                          "pdserve.v1.DecodeService", PoolConfig())
+        try:
+            await pool.resolve()
+            poll_round = asyncio.create_task(pool.poll())
+            await asyncio.wait_for(health.arrived.wait(), 10)
+            listing.write_text("")
+            await pool.resolve()  # the worker leaves while its probe is in flight
+            assert pool.addresses == []
+            await asyncio.wait_for(poll_round, 10)
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    with caplog.at_level(logging.INFO, logger="router.workers"):
+        asyncio.run(scenario())
+    assert "a probe ended with" not in caplog.text
+    assert "health says NOT_SERVING" in caplog.text  # the probe ran to its answer
