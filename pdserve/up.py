@@ -49,9 +49,9 @@ def add_up_command(commands, parents: list[argparse.ArgumentParser]) -> None:
                     help="the pods' longest prompt + output (default: the model's own limit, as the KV pool allows)")
     up.add_argument("--served-model-name", default=None, help="the name HTTP clients give the model")
     up.add_argument("--tool-call-parser", default=None, choices=[parser.value for parser in ToolCallParser],
-                    help='the router\'s: the format the model writes tool calls in (chat\'s tool_choice "auto")')
+                    help='the HTTP front\'s: the format the model writes tool calls in (chat\'s tool_choice "auto")')
     up.add_argument("--reasoning-parser", default=None, choices=[parser.value for parser in ReasoningParser],
-                    help="the router's: read a reasoning model's <think>...</think> apart, as chat's reasoning")
+                    help="the HTTP front's: read a reasoning model's <think>...</think> apart, as chat's reasoning")
     up.add_argument("--log-dir", type=Path, default=Path("pdserve-logs"), help="where the services' logs go")
     up.add_argument("--metrics", action="store_true", help="give every service a Prometheus port and print it")
     up.add_argument("--demo", action="store_true", help="ask the example question through the system, then stop")
@@ -79,10 +79,23 @@ def _router_args(args: argparse.Namespace) -> list[str]:
     router_args = ["--tokenizer", args.tokenizer or args.model]
     if args.otlp_endpoint:
         router_args += ["--otlp-endpoint", args.otlp_endpoint]
+    return router_args + _http_front_args(args)
+
+
+def _http_front_args(args: argparse.Namespace) -> list[str]:
+    """The HTTP front's flags given to `up`, for whichever service serves the API (router or colocated)."""
+    front_args = []
     for flag in ("served_model_name", "tool_call_parser", "reasoning_parser"):
         if getattr(args, flag):
-            router_args += ["--" + flag.replace("_", "-"), getattr(args, flag)]
-    return router_args
+            front_args += ["--" + flag.replace("_", "-"), getattr(args, flag)]
+    return front_args
+
+
+def colocated_command(args: argparse.Namespace, num_threads: int) -> list[str]:
+    """The colocated server's flags: its ports, the pods' flags and the HTTP front's (it serves the API)."""
+    return ["--host", HOST, "--port", str(args.port), "--http-port", str(args.http_port),
+            "--num-threads", str(num_threads), "--tokenizer", args.tokenizer or args.model, *_pod_args(args),
+            *shlex.split(args.prefill_args), *shlex.split(args.decode_args), *_http_front_args(args)]
 
 
 def _fetch_model(model: str) -> None:
@@ -134,9 +147,7 @@ def _run_colocated(args: argparse.Namespace, started: float) -> None:
     from pdserve.launcher import split_cores, start_service, wait_serving
 
     cores = split_cores(1)[0]
-    command = ["--host", HOST, "--port", str(args.port), "--http-port", str(args.http_port),
-               "--num-threads", str(len(cores)), "--tokenizer", args.tokenizer or args.model, *_pod_args(args),
-               *shlex.split(args.prefill_args), *shlex.split(args.decode_args)]
+    command = colocated_command(args, len(cores))
     print(f"starting one colocated server (model {args.model}, dtype {args.dtype}); logs in {args.log_dir}/",
           flush=True)
     service = start_service("colocated", "colocated_svc", command, address=f"{HOST}:{args.port}",

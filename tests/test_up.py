@@ -9,7 +9,13 @@ import sys
 
 import pytest
 
+from colocated_svc.__main__ import build_arg_parser as colocated_arg_parser
+from pdserve.cli import _parser as pdserve_arg_parser
 from pdserve.launcher import cores_text, free_port, split_cores
+from pdserve.up import colocated_command
+from shared.serving.openai.config import HttpConfig
+from shared.serving.openai.tool_calls import ToolCallParser
+from shared.serving.server.settings import config_from_args
 
 
 def test_cores_split_into_disjoint_even_runs():
@@ -25,6 +31,17 @@ def test_cores_text():
     assert cores_text((0, 1, 2, 3, 6)) == "0-3,6"
     assert cores_text((5,)) == "5"
     assert cores_text(None) == "any"
+
+
+def test_up_colocated_passes_the_http_front_flags():
+    """`up --colocated` serves the API from the colocated server, so the HTTP front's flags go to it (a client
+    asking for the served name, or for tool_choice "auto", was refused)."""
+    args = pdserve_arg_parser().parse_args(["up", "--colocated", "--model", "tiny", "--served-model-name",
+                                            "smollm2", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"])
+    colocated_args = colocated_arg_parser().parse_args(colocated_command(args, num_threads=2))
+    http = config_from_args(HttpConfig, colocated_args)
+    assert (http.served_model_name, http.tool_call_parser, http.reasoning_parser.value) == (
+        "smollm2", ToolCallParser.HERMES, "qwen3")
 
 
 def _up(tmp_path, *flags: str) -> subprocess.CompletedProcess:
