@@ -135,6 +135,28 @@ def test_what_a_storeless_server_cannot_do_is_refused_by_name():
     asyncio.run(scenario())
 
 
+@pytest.mark.timeout(120)
+def test_agent_sdk_model_settings_are_taken_and_change_nothing_for_an_input_that_fits():
+    """The request the OpenAI Agents SDK sends for ModelSettings(reasoning=Reasoning(effort="low"),
+    truncation="auto", prompt_cache_retention="24h") (pydantic-ai's openai_reasoning_effort and
+    openai_truncation send the same fields): answered as vLLM answers it, with the same greedy output as
+    without them, the settings echoed."""
+    async def scenario():
+        async with colocated_http() as (client, pod, _):
+            plain = dict(model="tiny", input=[{"role": "user", "content": "Hello there"}], instructions="Be brief.",
+                         include=[], max_output_tokens=6, temperature=0)
+            settled = await client.responses.create(**plain, reasoning={"effort": "low"}, truncation="auto",
+                                                    prompt_cache_retention="24h")
+            assert (settled.reasoning.effort, settled.truncation) == ("low", "auto")
+            assert _items(settled.output) == _items((await client.responses.create(**plain)).output)
+            chat = await client.chat.completions.create(model="tiny", messages=plain["input"], max_tokens=2,
+                                                        prompt_cache_retention="24h")
+            assert chat.usage.completion_tokens == 2
+            await _wait_until(lambda: _all_free(pod))
+
+    asyncio.run(scenario())
+
+
 def test_split_responses_match_the_colocated_server(split_cluster):
     """The router (--tool-call-parser hermes) answers the Responses API as the colocated server does."""
     requests = [dict(input="Hello there", max_output_tokens=6, temperature=0),

@@ -336,6 +336,10 @@ def test_null_means_unset_for_stream_and_known_openai_fields():
     with pytest.raises(InvalidRequest, match="'audio' is not supported"):
         oai.check_fields({"audio": {"voice": "alloy"}}, ())
     oai.check_fields({"reasoning_effort": "high"}, CHAT_FIELDS)  # chat takes it, as vLLM does
+    # OpenAI's prompt cache hint (the Agents SDK's ModelSettings sends it): changes nothing in the output.
+    oai.check_fields({"prompt_cache_retention": "24h"}, CHAT_FIELDS)
+    with pytest.raises(InvalidRequest, match="prompt_cache_retention must be a string"):
+        oai.check_fields({"prompt_cache_retention": 24}, CHAT_FIELDS)
 
 
 def test_logit_bias_names_what_is_wrong():

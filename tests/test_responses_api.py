@@ -39,11 +39,28 @@ def test_a_request_becomes_the_chat_request_it_asks_for():
     assert chat_body({"input": "hi", "stream": True})["stream_options"] == {"include_usage": True}
 
 
+def test_what_agent_sdks_send_is_taken_as_vllm_takes_it():
+    """The OpenAI Agents SDK and pydantic-ai send reasoning, truncation and prompt_cache_retention from their
+    model settings (vLLM takes them): reasoning.effort is chat's reasoning_effort, truncation "auto" changes
+    nothing for an input that fits, the cache retention is a hint; the Response echoes what was asked."""
+    body = {"input": [{"role": "user", "content": "hi"}], "instructions": "Be brief.", "include": [],
+            "max_output_tokens": 10, "reasoning": {"effort": "low"}, "truncation": "auto",
+            "prompt_cache_retention": "24h", "tools": [TOOL]}
+    chat = chat_body(body)
+    assert chat["reasoning_effort"] == "low"
+    assert not {"truncation", "prompt_cache_retention", "reasoning"} & set(chat)
+    echoed = ResponseShell(body, "m").response("completed", [])
+    assert (echoed["reasoning"], echoed["truncation"]) == ({"effort": "low"}, "auto")
+    assert "reasoning_effort" not in chat_body({"input": "hi", "reasoning": {"effort": None, "summary": None}})
+
+
 @pytest.mark.parametrize("body, needle", [
     ({"input": "hi", "previous_response_id": "resp_1"}, "'previous_response_id'"),
     ({"input": "hi", "background": True}, "'background'"),
     ({"input": "hi", "tools": [{"type": "file_search"}]}, "only function tools"),
-    ({"input": "hi", "reasoning": {"effort": "high"}}, "'reasoning'"),
+    ({"input": "hi", "reasoning": {"effort": "high", "summary": "auto"}}, "'reasoning.summary'"),
+    ({"input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning.effort must be"),
+    ({"input": "hi", "truncation": "middle"}, "truncation must be"),
     ({"input": "hi", "bogus": 1}, "unknown field 'bogus'"),
     ({"input": []}, "'input' must be"),
     ({"input": [{"role": "tool", "content": "x"}]}, "role must be"),

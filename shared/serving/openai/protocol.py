@@ -207,7 +207,8 @@ def _metadata(name: str, value: Any) -> dict[str, str]:
 # Fields that change nothing in the output (accepted when of their type, and ignored): field -> its check.
 INFORMATIONAL_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "user": _string, "metadata": _metadata, "store": boolean, "service_tier": _string,
-    "parallel_tool_calls": boolean, "prompt_cache_key": _string, "safety_identifier": _string,
+    "parallel_tool_calls": boolean, "prompt_cache_key": _string, "prompt_cache_retention": _string,
+    "safety_identifier": _string,
 }
 _REQUEST_FIELDS = ("model", "stream", "stream_options", "request_id")
 

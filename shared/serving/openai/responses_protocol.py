@@ -10,17 +10,21 @@ import time
 import uuid
 from typing import Any
 
+from shared.serving.openai.messages import REASONING_EFFORTS
 from shared.serving.openai.protocol import INFORMATIONAL_FIELDS, SAMPLING_FIELDS, UNSUPPORTED_FIELDS, boolean
 from shared.serving.pod.outcomes import InvalidRequest
 
 # Responses fields this server does not honour, with the value that asks for nothing.
 _UNSUPPORTED = {
     "previous_response_id": None, "conversation": None, "background": False, "prompt": None,
-    "reasoning": None, "max_tool_calls": None, "top_logprobs": None, "include": [],
-    "truncation": "disabled", "stream_options": None,
+    "max_tool_calls": None, "top_logprobs": None, "include": [], "stream_options": None,
 }
+# truncation "auto" drops the oldest input items only when the input overflows the context; an input that
+# fits is served as with "disabled". This server drops none: an overflowing input is refused for its length.
+_TRUNCATIONS = ("auto", "disabled")
 # Fields that change nothing in the output (accepted, echoed where the Response has them).
-_INFORMATIONAL = ("model", "store", "metadata", "user", "service_tier", "prompt_cache_key", "safety_identifier")
+_INFORMATIONAL = ("model", "store", "metadata", "user", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+                  "safety_identifier")
 # Chat sampling fields a Responses request may also carry (vLLM takes them as extras), besides its own.
 _CHAT_EXTRAS = tuple(name for name in SAMPLING_FIELDS
                      if name not in ("max_tokens", "max_completion_tokens", "n", "response_format"))
@@ -47,13 +51,16 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     response_format = _response_format((body.get("text") or {}).get("format"))
     if response_format is not None:
         chat["response_format"] = response_format
+    effort = _reasoning_effort(body.get("reasoning"))
+    if effort is not None:
+        chat["reasoning_effort"] = effort
     chat.update({name: body[name] for name in _CHAT_EXTRAS if body.get(name) is not None})
     return chat
 
 
 def _check_fields(body: dict[str, Any]) -> None:
     own = ("input", "instructions", "max_output_tokens", "tools", "tool_choice", "parallel_tool_calls", "text",
-           "stream", *_INFORMATIONAL)
+           "stream", "reasoning", "truncation", *_INFORMATIONAL)
     unsupported = {**UNSUPPORTED_FIELDS, **_UNSUPPORTED}  # with the value that asks for nothing
     for name, value in body.items():
         if name in unsupported and name not in own:
@@ -67,6 +74,26 @@ def _check_fields(body: dict[str, Any]) -> None:
     if text is not None and (not isinstance(text, dict) or set(text) - {"format", "verbosity"}
                              or text.get("verbosity") is not None):
         raise InvalidRequest("text must be {'format': {...}} (verbosity is not supported)")
+    truncation = body.get("truncation")
+    if truncation is not None and truncation not in _TRUNCATIONS:
+        raise InvalidRequest(f"truncation must be one of {', '.join(_TRUNCATIONS)}, got {truncation!r:.200}", "truncation")
+
+
+def _reasoning_effort(reasoning: Any) -> str | None:
+    """reasoning.effort, which chat takes as reasoning_effort (the template's, as vLLM passes it). A summary
+    of the model's reasoning is not written by this server, so asking for one is refused."""
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary", "generate_summary"}:
+        raise InvalidRequest(f"reasoning must be {{'effort': ...}}, got {reasoning!r:.200}", "reasoning")
+    for name in ("summary", "generate_summary"):
+        if reasoning.get(name) is not None:
+            raise InvalidRequest(f"'reasoning.{name}' is not supported by this server", f"reasoning.{name}")
+    effort = reasoning.get("effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise InvalidRequest(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r:.200}",
+                             "reasoning.effort")
+    return effort
 
 
 # ---- input items -> chat messages ------------------------------------------------------------
@@ -193,7 +220,8 @@ class ResponseShell:
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "metadata": body.get("metadata") or {}, "user": body.get("user"), "store": False,
-            "previous_response_id": None, "reasoning": None, "truncation": "disabled",
+            "previous_response_id": None, "reasoning": body.get("reasoning"),
+            "truncation": body.get("truncation") or "disabled",
         }
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, int] | None = None,
