@@ -124,5 +124,6 @@ class ColocatedServicer(PodServicer, generate_pb2_grpc.GenerateServiceServicer):
                 work, encode, no_tokenizer_hint="serve a model directory with tokenizer.json (or pass --tokenizer)"
             )
             prompt = token_ids_from_proto(prompt, name="prompt token_ids", vocab_size=self.pod.vocab_size)
+            self.pod.check_context_length(sampling, len(prompt))
             sampling = self.pod.fill_sampling(sampling, len(prompt))
         return prompt, sampling

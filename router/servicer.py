@@ -164,8 +164,9 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         if capacity is not None and sampling.n > capacity:
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, f"n is {sampling.n}, and the pods of a tier run at "
                              f"most {capacity} requests at once, all together (--max-requests-in-flight)")
-        # Refused here rather than shipped to a pod that would refuse it (a huge prompt costs every hop).
-        # An unset max_tokens is the pods' to fill (the checkpoint's max_new_tokens fits the room left).
+        # The split system's one length check: the pods do not check again (their engines end a sequence at
+        # the model's length). An unset max_tokens is the pods' to fill (the checkpoint's max_new_tokens fits
+        # the room left).
         named_max_tokens = None if "max_tokens" in sampling.unset else sampling.max_tokens
         max_model_len = self.max_model_len
         if max_model_len is not None:

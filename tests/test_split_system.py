@@ -112,6 +112,20 @@ def _decode(cluster, request_id: str, prompt: list[int], answer, **sampling) -> 
         return list(decode_pb2_grpc.DecodeServiceStub(channel).Decode(request, timeout=30))
 
 
+def test_pods_called_directly_end_a_sequence_at_the_model_length(cluster, reference):
+    """The length rule is the edge's (router, colocated server): a prefill and a decode pod called directly
+    with max_tokens past the model's length run the request and end it there, as their engines do."""
+    prompt = [random.Random(5).randrange(3, 4096) for _ in range(2040)]  # tiny's model length: 2048
+    sampling = dict(max_tokens=50, ignore_eos=True)
+    answer = _prefill(cluster, "past-length", prompt, **sampling)
+    messages = _decode(cluster, "past-length", prompt, answer, **sampling)
+    tokens = [answer.first_token_id] + [t for m in messages for t in m.token_ids]
+    assert len(prompt) + len(tokens) == 2048
+    assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert tokens == reference.generate([prompt], SamplingParams(**sampling))[0].token_ids
+    assert_all_blocks_free(cluster)
+
+
 def test_kv_really_crosses_processes_and_bytes_match_the_blocks(cluster, reference):
     prompt = [random.Random(3).randrange(3, 4096) for _ in range(75)]  # 5 blocks, the last one partial
     sampling = dict(max_tokens=8, ignore_eos=True)

@@ -155,7 +155,7 @@ class LLMEngine:
 
     # ---- online API (called from one thread) --------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request; ValueError for token ids outside the vocabulary or a prompt that leaves no room. The
+        """Queue a request; ValueError for token ids outside the vocabulary or a prompt too long. The
         sampling fields the request left unset take the checkpoint's generation_config.json defaults."""
         vocab = self.model_config.vocab_size
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
@@ -168,9 +168,6 @@ class LLMEngine:
             raise ValueError(f"request {request.request_id!r}: logit_bias names token ids {bad[:5]} outside the "
                              f"vocabulary [0, {vocab})")
         room = self.scheduler_config.max_model_len - len(request.prompt_token_ids)
-        if room < 1:  # a serving pod refused it already, in OpenAI's words (Pod.fill_sampling)
-            raise ValueError(f"request {request.request_id!r}: prompt of {len(request.prompt_token_ids)} tokens "
-                             f"leaves no room to generate within max_model_len {self.scheduler_config.max_model_len}")
         request.sampling_params = self.generation.fill(request.sampling_params, room)
         request.max_tokens = request.sampling_params.max_tokens
         if len(self.eos_token_ids) > 1:

@@ -107,6 +107,11 @@ class Scheduler(WaitingAdmission, StepResults):
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests or self.remote_kv.is_held(request.request_id):
             raise DuplicateRequestError(f"request {request.request_id!r} is already scheduled")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens leaves no "
+                f"room to generate within max_model_len {self.max_model_len}"
+            )
         if self.scheduler_config.disable_chunked_mm_input:
             for pos in request.mm_positions:
                 if pos.length > self.max_num_scheduled_tokens or pos.length > self.max_num_encoder_input_tokens:

@@ -32,9 +32,10 @@ class InvalidRequest(CallError, ValueError):
 
 
 def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
-    """The one length rule of serving, applied by the router before it forwards a request and by a pod for
-    its direct callers: the prompt and max_tokens (None: the caller named none, so at least one token) fit
-    the model's length, or InvalidRequest in OpenAI's words (clients detect a context overflow by them)."""
+    """The length rule of serving, checked once, where a request enters: by the router before it forwards
+    it, by the colocated server for its callers. The prompt and max_tokens (None: the caller named none, so
+    at least one token) fit the model's length, or InvalidRequest in OpenAI's words (clients detect a
+    context overflow by them)."""
     num_completion_tokens = 1 if max_tokens is None else max_tokens
     if num_prompt_tokens + num_completion_tokens <= max_model_len:
         return

@@ -240,13 +240,18 @@ class Pod:
 
     def fill_sampling(self, sampling: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         """sampling with the fields it left unset filled from the checkpoint's defaults (max_tokens within
-        the room the prompt leaves), checked to fit the model's length. Before anything reads max_tokens
-        (the prefill pod's handoff, the decode pod's continuation). A decode pod gets them already filled
-        from a prefill pod (PrefillResponse.resolved_sampling) and fills only those sent without a prefill."""
-        filled = self.engine.generation.fill(sampling, self.max_model_len - num_prompt_tokens)
-        named = None if "max_tokens" in sampling.unset else filled.max_tokens
-        check_context_length(num_prompt_tokens, named, self.max_model_len)  # vLLM rejects, never caps
-        return filled
+        the room the prompt leaves). Before anything reads max_tokens (the prefill pod's handoff, the decode
+        pod's continuation). A decode pod gets them already filled from a prefill pod
+        (PrefillResponse.resolved_sampling) and fills only those sent without a prefill."""
+        return self.engine.generation.fill(sampling, self.max_model_len - num_prompt_tokens)
+
+    def check_context_length(self, sampling: SamplingParams, num_prompt_tokens: int) -> None:
+        """At the edge only (the colocated server's Generate; the router for the split): InvalidRequest for a
+        prompt that, with the max_tokens the caller named, passes the model's length (vLLM's server refuses,
+        never caps). Prefill and decode pods do not check again: their engine ends a sequence at the model's
+        length."""
+        named = None if "max_tokens" in sampling.unset else sampling.max_tokens
+        check_context_length(num_prompt_tokens, named, self.max_model_len)
 
     def check_room(self, num_requests: int) -> None:
         """Admits a fan-out (n completions) whole or not at all: InvalidRequest when it could never fit,
