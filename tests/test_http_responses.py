@@ -157,6 +157,32 @@ def test_agent_sdk_model_settings_are_taken_and_change_nothing_for_an_input_that
     asyncio.run(scenario())
 
 
+@pytest.mark.timeout(120)
+def test_output_text_logprobs_whole_and_streamed_match_chat():
+    """The Agents SDK's ModelSettings(top_logprobs=2) sends include ["message.output_text.logprobs"] and
+    top_logprobs 2 (vLLM answers them): the output text's tokens with their logprobs, as chat gives them."""
+    async def scenario():
+        async with colocated_http() as (client, pod, _):
+            asked = dict(input="Hello there", max_output_tokens=5, temperature=0, top_logprobs=2,
+                         include=["message.output_text.logprobs"])
+            whole = await client.responses.create(model="tiny", **asked)
+            chat = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello there"}],
+                                                        max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+            expected = [(entry.token, entry.logprob, [top.token for top in entry.top_logprobs])
+                        for entry in chat.choices[0].logprobs.content]
+            [part] = whole.output[0].content
+            assert [(entry.token, entry.logprob, [top.token for top in entry.top_logprobs])
+                    for entry in part.logprobs] == expected and len(expected) == 5
+            streamed = []
+            async for event in await client.responses.create(model="tiny", stream=True, **asked):
+                if event.type == "response.output_text.delta":
+                    streamed += [(entry.token, entry.logprob) for entry in event.logprobs]
+            assert streamed == [(token, logprob) for token, logprob, _ in expected]
+            await _wait_until(lambda: _all_free(pod))
+
+    asyncio.run(scenario())
+
+
 def test_split_responses_match_the_colocated_server(split_cluster):
     """The router (--tool-call-parser hermes) answers the Responses API as the colocated server does."""
     requests = [dict(input="Hello there", max_output_tokens=6, temperature=0),

@@ -54,6 +54,31 @@ def test_what_agent_sdks_send_is_taken_as_vllm_takes_it():
     assert "reasoning_effort" not in chat_body({"input": "hi", "reasoning": {"effort": None, "summary": None}})
 
 
+def _logprob(token: str) -> dict:
+    return {"token": token, "logprob": -0.5, "bytes": list(token.encode()),
+            "top_logprobs": [{"token": token, "logprob": -0.5, "bytes": list(token.encode())}]}
+
+
+def test_output_text_logprobs_as_the_agents_sdk_asks_for_them():
+    """include ["message.output_text.logprobs"] with top_logprobs (ModelSettings(top_logprobs=2)) asks chat for
+    logprobs; its entries come back on the output text, whole and with each streamed delta."""
+    body = {"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    assert {key: chat_body(body)[key] for key in ("logprobs", "top_logprobs")} == {"logprobs": True, "top_logprobs": 2}
+    assert "logprobs" not in chat_body({"input": "hi", "include": [], "top_logprobs": 2})
+    [text] = output_items({"role": "assistant", "content": "Hi"}, {"content": [_logprob("Hi")]})
+    assert text["content"][0]["logprobs"] == [_logprob("Hi")]
+    events = ResponseEvents(ResponseShell(body, "m"))
+    stream = events.chunk({"delta": {"role": "assistant"}, "logprobs": {"content": [_logprob("")]}})
+    stream += events.chunk({"delta": {"content": "Hel"}, "logprobs": {"content": [_logprob("Hel")]}})
+    stream += events.chunk({"delta": {"content": "lo"}, "logprobs": {"content": [_logprob("lo")]}})
+    stream += events.finished("stop", None)
+    deltas = [event["logprobs"] for event in stream if event["type"] == "response.output_text.delta"]
+    assert deltas == [[_logprob(""), _logprob("Hel")], [_logprob("lo")]]
+    [done] = [event for event in stream if event["type"] == "response.output_text.done"]
+    assert done["logprobs"] == [_logprob(""), _logprob("Hel"), _logprob("lo")]
+    assert stream[-1]["response"]["output"][0]["content"][0]["logprobs"] == done["logprobs"]
+
+
 @pytest.mark.parametrize("body, needle", [
     ({"input": "hi", "previous_response_id": "resp_1"}, "'previous_response_id'"),
     ({"input": "hi", "background": True}, "'background'"),
@@ -61,6 +86,7 @@ def test_what_agent_sdks_send_is_taken_as_vllm_takes_it():
     ({"input": "hi", "reasoning": {"effort": "high", "summary": "auto"}}, "'reasoning.summary'"),
     ({"input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning.effort must be"),
     ({"input": "hi", "truncation": "middle"}, "truncation must be"),
+    ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include takes only"),
     ({"input": "hi", "bogus": 1}, "unknown field 'bogus'"),
     ({"input": []}, "'input' must be"),
     ({"input": [{"role": "tool", "content": "x"}]}, "role must be"),

@@ -17,8 +17,10 @@ from shared.serving.pod.outcomes import InvalidRequest
 # Responses fields this server does not honour, with the value that asks for nothing.
 _UNSUPPORTED = {
     "previous_response_id": None, "conversation": None, "background": False, "prompt": None,
-    "max_tool_calls": None, "top_logprobs": None, "include": [], "stream_options": None,
+    "max_tool_calls": None, "stream_options": None,
 }
+# The include value that asks for the output text's logprobs (top_logprobs says how many alternatives).
+_LOGPROBS = "message.output_text.logprobs"
 # truncation "auto" drops the oldest input items only when the input overflows the context; an input that
 # fits is served as with "disabled". This server drops none: an overflowing input is refused for its length.
 _TRUNCATIONS = ("auto", "disabled")
@@ -51,6 +53,8 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     response_format = _response_format((body.get("text") or {}).get("format"))
     if response_format is not None:
         chat["response_format"] = response_format
+    if _LOGPROBS in (body.get("include") or []):
+        chat.update(logprobs=True, top_logprobs=body.get("top_logprobs") or 0)
     effort = _reasoning_effort(body.get("reasoning"))
     if effort is not None:
         chat["reasoning_effort"] = effort
@@ -60,7 +64,7 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
 
 def _check_fields(body: dict[str, Any]) -> None:
     own = ("input", "instructions", "max_output_tokens", "tools", "tool_choice", "parallel_tool_calls", "text",
-           "stream", "reasoning", "truncation", *_INFORMATIONAL)
+           "stream", "reasoning", "truncation", "include", "top_logprobs", *_INFORMATIONAL)
     unsupported = {**UNSUPPORTED_FIELDS, **_UNSUPPORTED}  # with the value that asks for nothing
     for name, value in body.items():
         if name in unsupported and name not in own:
@@ -74,6 +78,9 @@ def _check_fields(body: dict[str, Any]) -> None:
     if text is not None and (not isinstance(text, dict) or set(text) - {"format", "verbosity"}
                              or text.get("verbosity") is not None):
         raise InvalidRequest("text must be {'format': {...}} (verbosity is not supported)")
+    include = body.get("include") or []
+    if not isinstance(include, list) or set(include) - {_LOGPROBS}:
+        raise InvalidRequest(f"include takes only {_LOGPROBS!r} here, got {include!r:.200}", "include")
     truncation = body.get("truncation")
     if truncation is not None and truncation not in _TRUNCATIONS:
         raise InvalidRequest(f"truncation must be one of {', '.join(_TRUNCATIONS)}, got {truncation!r:.200}", "truncation")
@@ -243,26 +250,29 @@ def _usage(usage: dict[str, int]) -> dict[str, Any]:
             "output_tokens_details": {"reasoning_tokens": 0}}
 
 
-def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chat answer's message as Response output items: its reasoning, its text, its function calls."""
+def output_items(message: dict[str, Any], logprobs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """A chat answer's message as Response output items: its reasoning, its text (with the chat choice's
+    logprobs, when asked for), its function calls."""
     items = []
     if message.get("reasoning"):
         items.append(_reasoning_item(new_id("rs"), message["reasoning"]))
     if message.get("content") or not message.get("tool_calls"):
-        items.append(_message_item(new_id("msg"), message.get("content") or "", "completed"))
+        items.append(_message_item(new_id("msg"), message.get("content") or "", "completed",
+                                   (logprobs or {}).get("content") or []))
     for call in message.get("tool_calls") or []:
         items.append(_call_item(new_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"],
                                 "completed"))
     return items
 
 
-def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = [] if text is None else [_text_part(text)]
+def _message_item(item_id: str, text: str | None, status: str, logprobs: list | None = None) -> dict[str, Any]:
+    content = [] if text is None else [_text_part(text, logprobs)]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list | None = None) -> dict[str, Any]:
+    """An output_text part; logprobs: chat's per-token entries, whose shape Responses shares."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -286,6 +296,7 @@ class ResponseEvents:
         self._reasoning = ""
         self._message: dict[str, Any] | None = None  # the open message item
         self._calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its open function_call item
+        self._logprobs: list[dict[str, Any]] = []  # chat's logprobs entries not yet sent with text
 
     def started(self) -> list[dict[str, Any]]:
         response = self._shell.response("in_progress", [])
@@ -296,10 +307,12 @@ class ResponseEvents:
         """The events of one chat chunk's choice (its delta)."""
         delta, events = choice.get("delta") or {}, []
         self._reasoning += delta.get("reasoning") or ""
+        self._logprobs += (choice.get("logprobs") or {}).get("content") or []
         if delta.get("content"):
             events += self._close_reasoning()
             events += self._text(delta["content"])
         for call in delta.get("tool_calls") or []:
+            self._logprobs = []  # a call's tokens: no output text's
             events += self._close_reasoning()
             events += self._call(call)
         return events
@@ -318,12 +331,14 @@ class ResponseEvents:
     def _text(self, text: str) -> list[dict[str, Any]]:
         events = []
         if self._message is None:
-            self._message = {"id": new_id("msg"), "text": "", "index": len(self._output)}
+            self._message = {"id": new_id("msg"), "text": "", "index": len(self._output), "logprobs": []}
             events += [self._event("response.output_item.added", output_index=self._message["index"],
                                    item=_message_item(self._message["id"], None, "in_progress")),
                        self._event("response.content_part.added", **self._at_text(), part=_text_part(""))]
         self._message["text"] += text
-        return [*events, self._event("response.output_text.delta", **self._at_text(), delta=text, logprobs=[])]
+        logprobs, self._logprobs = self._logprobs, []
+        self._message["logprobs"] += logprobs
+        return [*events, self._event("response.output_text.delta", **self._at_text(), delta=text, logprobs=logprobs)]
 
     def _at_text(self) -> dict[str, Any]:
         return {"item_id": self._message["id"], "output_index": self._message["index"], "content_index": 0}
@@ -331,13 +346,13 @@ class ResponseEvents:
     def _close_message(self) -> list[dict[str, Any]]:
         if self._message is None:
             return []
-        message, text = self._message, self._message["text"]
-        self._message = None
-        item = _message_item(message["id"], text, "completed")
+        message, text, logprobs = self._message, self._message["text"], self._message["logprobs"] + self._logprobs
+        self._message, self._logprobs = None, []
+        item = _message_item(message["id"], text, "completed", logprobs)
         self._output.append(item)
         at = {"item_id": message["id"], "output_index": message["index"], "content_index": 0}
-        return [self._event("response.output_text.done", **at, text=text, logprobs=[]),
-                self._event("response.content_part.done", **at, part=_text_part(text)),
+        return [self._event("response.output_text.done", **at, text=text, logprobs=logprobs),
+                self._event("response.content_part.done", **at, part=_text_part(text, logprobs)),
                 self._event("response.output_item.done", output_index=message["index"], item=item)]
 
     def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
