@@ -338,6 +338,10 @@ def test_null_means_unset_for_stream_and_known_openai_fields():
     oai.check_fields({"reasoning_effort": "high"}, CHAT_FIELDS)  # chat takes it, as vLLM does
     # OpenAI's prompt cache hint (the Agents SDK's ModelSettings sends it): changes nothing in the output.
     oai.check_fields({"prompt_cache_retention": "24h"}, CHAT_FIELDS)
+    # verbosity: its default ("medium") asks for nothing, as OpenAI takes it for a model without the setting.
+    oai.check_fields({"verbosity": "medium"}, CHAT_FIELDS)
+    with pytest.raises(InvalidRequest, match="'verbosity' is not supported"):
+        oai.check_fields({"verbosity": "low"}, CHAT_FIELDS)
     with pytest.raises(InvalidRequest, match="prompt_cache_retention must be a string"):
         oai.check_fields({"prompt_cache_retention": 24}, CHAT_FIELDS)
 

@@ -52,6 +52,7 @@ def test_what_agent_sdks_send_is_taken_as_vllm_takes_it():
     echoed = ResponseShell(body, "m").response("completed", [])
     assert (echoed["reasoning"], echoed["truncation"]) == ({"effort": "low"}, "auto")
     assert "reasoning_effort" not in chat_body({"input": "hi", "reasoning": {"effort": None, "summary": None}})
+    chat_body({"input": "hi", "text": {"format": {"type": "text"}, "verbosity": "medium"}})  # the default
 
 
 def _logprob(token: str) -> dict:

@@ -182,7 +182,8 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "best_of": 1, "echo": False, "suffix": None,  # echo: on chat (completions take it)
     "functions": None, "function_call": None,  # the deprecated form of tools
     "modalities": ["text"], "audio": None, "prediction": None,
-    "web_search_options": None, "verbosity": None,
+    "web_search_options": None,
+    "verbosity": "medium",  # OpenAI's default; a model without the setting takes only it, as OpenAI's do
     # vLLM's own extra fields (its defaults ask for nothing).
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
     "priority": 0, "return_tokens_as_token_ids": False, "return_token_ids": False, "cache_salt": None,

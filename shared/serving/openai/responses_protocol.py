@@ -76,8 +76,9 @@ def _check_fields(body: dict[str, Any]) -> None:
             INFORMATIONAL_FIELDS[name](name, value)
     text = body.get("text")
     if text is not None and (not isinstance(text, dict) or set(text) - {"format", "verbosity"}
-                             or text.get("verbosity") is not None):
-        raise InvalidRequest("text must be {'format': {...}} (verbosity is not supported)")
+                             or text.get("verbosity") not in (None, "medium")):
+        raise InvalidRequest("text must be {'format': {...}} (verbosity other than the default 'medium' is not "
+                             "supported)", "text")
     include = body.get("include") or []
     if not isinstance(include, list) or set(include) - {_LOGPROBS}:
         raise InvalidRequest(f"include takes only {_LOGPROBS!r} here, got {include!r:.200}", "include")
