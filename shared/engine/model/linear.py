@@ -55,6 +55,11 @@ class Linear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None
 
+    def reset_parameters(self) -> None:
+        """No initialisation: the model is built on "meta" and the loader overwrites every weight. (nn.Linear's
+        random init on a meta tensor goes through torch's reference ops, which import torch._dynamo: about
+        2 s of every process start.)"""
+
     def pack(self) -> None:
         """Call after the weights are final and on their device; a later weight change needs pack() again."""
         self.packed_weight = pack_weight(self.weight)

@@ -152,7 +152,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         dtype = config.torch_dtype
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device="meta")
+        # Given its (meta) weight, nn.Embedding skips its random init (see Linear.reset_parameters).
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(
+            config.vocab_size, config.hidden_size, dtype=dtype, device="meta"))
         if torch.device(device).type != "meta":
             self.embed_tokens = self.embed_tokens.to_empty(device=device)
         self.embed_tokens.requires_grad_(False)
