@@ -35,5 +35,5 @@ async def _answer(state: FrontState, request: Request, body: dict[str, Any], par
         return failed
     whole = choices.whole()
     [choice] = whole["choices"]
-    return JSONResponse(shell.response("completed", responses_protocol.output_items(choice["message"], choice.get("logprobs")),
-                                       whole["usage"], choice["finish_reason"]))
+    output = responses_protocol.output_items(choice["message"], choice.get("logprobs"))
+    return JSONResponse(shell.response("completed", output, whole["usage"], choice["finish_reason"]))

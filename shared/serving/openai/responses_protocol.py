@@ -347,11 +347,11 @@ class ResponseEvents:
     def _close_message(self) -> list[dict[str, Any]]:
         if self._message is None:
             return []
-        message, text, logprobs = self._message, self._message["text"], self._message["logprobs"] + self._logprobs
+        message, at = self._message, self._at_text()
+        text, logprobs = message["text"], message["logprobs"] + self._logprobs
         self._message, self._logprobs = None, []
         item = _message_item(message["id"], text, "completed", logprobs)
         self._output.append(item)
-        at = {"item_id": message["id"], "output_index": message["index"], "content_index": 0}
         return [self._event("response.output_text.done", **at, text=text, logprobs=logprobs),
                 self._event("response.content_part.done", **at, part=_text_part(text, logprobs)),
                 self._event("response.output_item.done", output_index=message["index"], item=item)]
