@@ -34,15 +34,26 @@ _SERVICE_PORTS = range(10000, 20000)
 
 def free_port(host: str = HOST) -> int:
     """A port nothing listens on right now (the service binds it a moment later)."""
+    return free_ports(1, host)
+
+
+def free_ports(count: int, host: str = HOST) -> int:
+    """The first of `count` consecutive ports nothing listens on right now: for a tier of pods given one
+    port, whose next pods take the following ports."""
     for _ in range(100):
-        port = secrets.choice(_SERVICE_PORTS)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue  # in use: try another
-            return port
-    raise RuntimeError(f"no free port in {_SERVICE_PORTS.start}-{_SERVICE_PORTS.stop - 1} on {host}")
+        first = secrets.choice(_SERVICE_PORTS[:-count])
+        if all(_can_bind(host, port) for port in range(first, first + count)):
+            return first
+    raise RuntimeError(f"no {count} free port(s) in a row in {_SERVICE_PORTS.start}-{_SERVICE_PORTS.stop - 1} on {host}")
+
+
+def _can_bind(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False  # in use
+        return True
 
 
 @dataclass

@@ -11,7 +11,7 @@ import pytest
 
 from colocated_svc.__main__ import build_arg_parser as colocated_arg_parser
 from pdserve.cli import _parser as pdserve_arg_parser
-from pdserve.launcher import cores_text, free_port, split_cores
+from pdserve.launcher import cores_text, free_ports, split_cores
 from pdserve.up import colocated_command
 from shared.serving.openai.config import HttpConfig
 from shared.serving.openai.tool_calls import ToolCallParser
@@ -45,9 +45,10 @@ def test_up_colocated_passes_the_http_front_flags():
 
 
 def _up(tmp_path, *flags: str) -> subprocess.CompletedProcess:
-    ports = [str(free_port()) for _ in range(3)]
+    first = free_ports(5)  # router, HTTP, prefill, and two decode pods, which take consecutive ports
+    ports = [str(first + i) for i in range(4)]
     command = [sys.executable, "-m", "pdserve.cli", "up", "--model", "tiny", "--port", ports[0], "--http-port",
-               ports[1], "--prefill-port", ports[2], "--decode-port", str(free_port()), "--log-dir",
+               ports[1], "--prefill-port", ports[2], "--decode-port", ports[3], "--log-dir",
                str(tmp_path / "logs"), "--demo", "--max-tokens", "8", *flags]
     return subprocess.run(command, capture_output=True, text=True, timeout=600)
 
