@@ -44,7 +44,8 @@ def free_ports(count: int, host: str = HOST) -> int:
         first = secrets.choice(_SERVICE_PORTS[:-count])
         if all(_can_bind(host, port) for port in range(first, first + count)):
             return first
-    raise RuntimeError(f"no {count} free port(s) in a row in {_SERVICE_PORTS.start}-{_SERVICE_PORTS.stop - 1} on {host}")
+    raise RuntimeError(f"no {count} free port(s) in a row in "
+                       f"{_SERVICE_PORTS.start}-{_SERVICE_PORTS.stop - 1} on {host}")
 
 
 def _can_bind(host: str, port: int) -> bool:
