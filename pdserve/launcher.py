@@ -41,11 +41,10 @@ def free_ports(count: int, host: str = HOST) -> int:
     """The first of `count` consecutive ports nothing listens on right now: for a tier of pods given one
     port, whose next pods take the following ports."""
     for _ in range(100):
-        first = secrets.choice(_SERVICE_PORTS[:-count])
+        first = secrets.choice(_SERVICE_PORTS)
         if all(_can_bind(host, port) for port in range(first, first + count)):
             return first
-    raise RuntimeError(f"no {count} free port(s) in a row in "
-                       f"{_SERVICE_PORTS.start}-{_SERVICE_PORTS.stop - 1} on {host}")
+    raise RuntimeError(f"no free port run of {count} from {_SERVICE_PORTS[0]}-{_SERVICE_PORTS[-1]} on {host}")
 
 
 def _can_bind(host: str, port: int) -> bool:
