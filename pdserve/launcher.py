@@ -30,6 +30,9 @@ DEFAULT_START_TIMEOUT_S = 120.0
 # every outgoing connection, so a port picked there can be taken by some client's connect() before the
 # service binds it; and clear of the KV transfer ports (20000-20099 by default).
 _SERVICE_PORTS = range(10000, 20000)
+# Every port free_ports() has returned in this process: one is not bound until its service starts, so
+# without this a cluster's next pick (a metrics port, another pod) could be the same port.
+_handed_out: set[int] = set()
 
 
 def free_port(host: str = HOST) -> int:
@@ -42,7 +45,9 @@ def free_ports(count: int, host: str = HOST) -> int:
     port, whose next pods take the following ports."""
     for _ in range(100):
         first = secrets.choice(_SERVICE_PORTS)
-        if all(_can_bind(host, port) for port in range(first, first + count)):
+        run = range(first, first + count)
+        if not _handed_out.intersection(run) and all(_can_bind(host, port) for port in run):
+            _handed_out.update(run)
             return first
     raise RuntimeError(f"no free port run of {count} from {_SERVICE_PORTS[0]}-{_SERVICE_PORTS[-1]} on {host}")
 

@@ -27,4 +27,18 @@ def test_a_port_in_use_is_skipped(monkeypatch):
             probe.bind((launcher.HOST, 0))
             spare = probe.getsockname()[1]
         monkeypatch.setattr(launcher, "_SERVICE_PORTS", [busy, spare])
-        assert {launcher.free_port() for _ in range(20)} == {spare}
+        monkeypatch.setattr(launcher, "_handed_out", set())
+        assert launcher.free_port() == spare
+
+
+def test_a_port_handed_out_is_not_handed_out_again(monkeypatch):
+    """A port is free until its service binds it: a second pick before then (the same service's metrics
+    port, the next pod) must not get it too."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((launcher.HOST, 0))
+        spare = probe.getsockname()[1]
+    monkeypatch.setattr(launcher, "_SERVICE_PORTS", [spare])
+    monkeypatch.setattr(launcher, "_handed_out", set())
+    assert launcher.free_port() == spare
+    with pytest.raises(RuntimeError, match="no free port"):
+        launcher.free_port()
