@@ -1,5 +1,6 @@
-"""The decoder's elementwise steps, residual add + RMSNorm and rotary embedding, each as one C++ pass
-(csrc/fused_ops.cpp) on the CPU, else as torch op chains; both give the same bits (transformers' order).
+"""The decoder's elementwise steps, residual add + RMSNorm, rotary embedding and SiLU-and-multiply, each
+as one C++ pass (csrc/fused_ops.cpp) on the CPU, else as torch op chains; both give the same bits
+(transformers' order).
 
 In bfloat16 the torch chains cost more than the matmuls around them at decode batch sizes: a norm is
 seven ops over the rows, each converting to float32 and back. The fused ops run only once a check on
@@ -12,6 +13,7 @@ import functools
 import logging
 
 import torch
+import torch.nn.functional as F
 
 from shared.engine.model.paged_decode import paged_decode_available
 
@@ -56,6 +58,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return apply_rope(x, cos, sin)
 
 
+def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] (the MLP's fused projection), as a new contiguous tensor."""
+    if _fused_fits(gate_up) and gate_up.dim() == 2 and _silu_mul_checked(width, gate_up.dtype):
+        return torch.ops.pdserve_fused.silu_mul(gate_up, width)
+    gate, up = gate_up.split(width, dim=-1)
+    # gate is a strided half of gate_up: silu writes a new contiguous tensor, which the down
+    # projection's matmul then takes as is (an in-place silu kept the stride and cost a copy there).
+    return F.silu(gate).mul_(up)
+
+
 def _fused_fits(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or (t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16)
                              and t.stride(-1) == 1) for t in tensors)
@@ -63,7 +75,7 @@ def _fused_fits(*tensors: torch.Tensor | None) -> bool:
 
 @functools.cache
 def _library_loaded() -> bool:
-    return paged_decode_available() and hasattr(torch.ops.pdserve_fused, "add_rms_norm")
+    return paged_decode_available() and hasattr(torch.ops.pdserve_fused, "silu_mul")
 
 
 @functools.cache
@@ -100,4 +112,23 @@ def _rope_checked(head_dim: int, dtype: torch.dtype) -> bool:
     if not same:
         logger.warning("fused rotary embedding differs from torch's (head_dim %d, %s): keeping the torch ops",
                        head_dim, dtype)
+    return same
+
+
+@functools.cache
+def _silu_mul_checked(width: int, dtype: torch.dtype) -> bool:
+    """Whether the fused op gives torch's bits here: its exp must be the one torch's silu runs on this CPU."""
+    if not _library_loaded():
+        return False
+    gen = torch.Generator().manual_seed(width)
+    gate_up = (torch.randn(37, 2 * width, generator=gen) * 6).to(dtype)
+    gate_up[0, :width] = torch.linspace(-100, 100, width)  # exp's overflow and underflow ends
+    gate, up = gate_up.split(width, dim=-1)
+    expected = F.silu(gate).mul_(up)
+    with torch.inference_mode():
+        fused = torch.ops.pdserve_fused.silu_mul(gate_up, width)
+    same = torch.equal(fused, expected)
+    if not same:
+        logger.warning("fused SiLU-and-multiply differs from torch's (width %d, %s): keeping the torch ops",
+                       width, dtype)
     return same

@@ -14,7 +14,7 @@ from torch import nn
 from shared.engine.model.attention import AttentionMetadata, OutputRows, paged_attention, write_kv
 from shared.engine.model.model_config import ModelArchConfig
 from shared.engine.model.linear import Linear, linear, pack_weight
-from shared.engine.model.fused_ops import add_rms_norm, apply_rope, rms_norm_reference, rotate  # noqa: F401
+from shared.engine.model.fused_ops import add_rms_norm, apply_rope, rms_norm_reference, rotate, silu_mul  # noqa: F401
 
 
 def rope_inverse_frequencies(config: ModelArchConfig) -> torch.Tensor:
@@ -136,11 +136,7 @@ class DecoderLayer(nn.Module):
             num_tokens = hidden.shape[0]
         attn = paged_attention(q, k, v, key_cache, value_cache, meta, self.scale, self.sliding_window)
         hidden, normed = self.post_attention_layernorm.add(hidden, self.o_proj(attn.view(num_tokens, self.q_size)))
-        gate_up = self.gate_up_proj(normed)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        # gate is a strided half of gate_up: silu writes a new contiguous tensor, which the down
-        # projection's matmul then takes as is (an in-place silu kept the stride and cost a copy there).
-        activated = F.silu(gate).mul_(up)
+        activated = silu_mul(self.gate_up_proj(normed), self.intermediate_size)
         return hidden, self.down_proj(activated)
 
 

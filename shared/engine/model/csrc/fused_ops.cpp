@@ -1,6 +1,7 @@
-// Fused elementwise steps of the decoder layer, registered as torch operators pdserve_fused::add_rms_norm
-// and pdserve_fused::rope_: each replaces a chain of torch ops (one pass over the rows instead of one per
-// op, no temporaries) with bit-identical results; rows run on torch's intra-op thread pool.
+// Fused elementwise steps of the decoder layer, registered as torch operators
+// pdserve_fused::add_rms_norm, pdserve_fused::rope_ and pdserve_fused::silu_mul: each replaces a chain
+// of torch ops (one pass over the rows instead of one per op, no temporaries) with bit-identical results;
+// rows run on torch's intra-op thread pool.
 #pragma GCC optimize("fp-contract=off")  // a*b+c stays two roundings, as torch's separate ops round
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -29,6 +30,14 @@ struct NormParams {
   bool is_bfloat16;
 };
 
+struct SiluMulParams {
+  const void* gate_up;  // [rows, 2 * width]: the gate half then the up half, rows gate_up_stride apart
+  int64_t gate_up_stride;
+  void* out;  // [rows, width] contiguous
+  int64_t width;
+  bool is_bfloat16;
+};
+
 struct RopeParams {
   void* x;  // [tokens, heads, head_dim], last dim contiguous
   int64_t token_stride, head_stride, num_heads, head_dim;
@@ -46,12 +55,24 @@ struct RopeParams {
 #define FO_MULTI_TARGET 1
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c,bmi2")
+#include <immintrin.h>
+// torch's Vectorized<float>::exp() on AVX-512 (libtorch_cpu exports its SLEEF functions).
+extern "C" __m512 Sleef_expf16_u10(__m512);
 namespace avx512 {
+// exp of 16 floats as torch's AVX-512 kernels compute it; their vectors are 64 bytes.
+constexpr int64_t kExpLanes = 16;
+constexpr int64_t kTorchVectorBytes = 64;
+FO_INLINE void exp_lanes(const float* in, float* out) { _mm512_storeu_ps(out, Sleef_expf16_u10(_mm512_loadu_ps(in))); }
 #include "fused_ops_kernel.h"
 }
 #pragma GCC pop_options
 #endif
 namespace generic {
+// No vectorised exp here: std::exp everywhere (torch's scalar path), which the start-up check compares
+// with what torch runs on this CPU before the fused op is used.
+constexpr int64_t kExpLanes = 0;
+constexpr int64_t kTorchVectorBytes = 64;
+FO_INLINE void exp_lanes(const float*, float*) {}
 #include "fused_ops_kernel.h"
 }
 
@@ -101,6 +122,27 @@ at::Tensor add_rms_norm(const at::Tensor& residual, const std::optional<at::Tens
   return out;
 }
 
+// silu(gate_up[:, :width]) * gate_up[:, width:] as a new [rows, width] tensor.
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t width) {
+  TORCH_CHECK_VALUE(gate_up.dim() == 2 && gate_up.size(1) == 2 * width && gate_up.stride(1) == 1,
+                    "gate_up must be [rows, 2 * ", width, "] with a contiguous last dimension, got ", gate_up.sizes());
+  const auto dtype = gate_up.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16, got ", dtype);
+  TORCH_CHECK_VALUE(gate_up.device().is_cpu(), "gate_up must be a CPU tensor");
+  const int64_t rows = gate_up.size(0);
+  at::Tensor out = at::empty({rows, width}, gate_up.options().memory_format(at::MemoryFormat::Contiguous));
+  SiluMulParams p{gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width, dtype == at::kBFloat16};
+  const bool wide = use_avx512();
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+#ifdef FO_MULTI_TARGET
+    if (wide) return avx512::run_silu_mul(p, begin, end);
+#endif
+    generic::run_silu_mul(p, begin, end);
+  });
+  return out;
+}
+
 // x [tokens, heads, head_dim] rotated in place by cos/sin [tokens, head_dim].
 void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK_VALUE(x.dim() == 3 && x.stride(2) == 1, "x must be [tokens, heads, head_dim] with a contiguous "
@@ -128,9 +170,11 @@ void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 TORCH_LIBRARY(pdserve_fused, m) {
   m.def("add_rms_norm(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_mul(Tensor gate_up, int width) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_fused, CPU, m) {
   m.impl("add_rms_norm", &pdserve::add_rms_norm);
   m.impl("rope_", &pdserve::rope_);
+  m.impl("silu_mul", &pdserve::silu_mul);
 }

@@ -1,5 +1,5 @@
-// Fused RMSNorm (with the residual add before it) and rotary embedding, bit-identical to the torch
-// op chains they replace (llama.py's RMSNorm and apply_rope, transformers' order): every float32 product
+// Fused RMSNorm (with the residual add before it), rotary embedding and SiLU-and-multiply, bit-identical
+// to the torch op chains they replace (llama.py's RMSNorm, apply_rope and silu(gate) * up): every float32 product
 // and sum is the same, rounded to the storage dtype where torch rounds. Included by fused_ops.cpp inside
 // one namespace per instruction set; only GCC/Clang vector extensions and scalar code.
 
@@ -129,4 +129,33 @@ void rope_rows(const RopeParams& p, int64_t begin, int64_t end) {
 void run_rope(const RopeParams& p, int64_t begin, int64_t end) {
   if (p.is_bfloat16) return rope_rows<c10::BFloat16>(p, begin, end);
   rope_rows<float>(p, begin, end);
+}
+
+// out = T(T(silu(g)) * u) per row, silu(g) = g / (1 + exp(-g)) in float32 as aten's silu_kernel computes it:
+// its vectorised loop takes two vectors of T at a time (exp from exp_lanes, the instruction set's
+// vectorised exp) and the remainder of the row element by element (std::exp); the product rounds as
+// torch's mul does.
+template <typename T>
+void silu_mul_rows(const SiluMulParams& p, int64_t begin, int64_t end) {
+  const int64_t w = p.width;
+  const int64_t pair = 2 * kTorchVectorBytes / static_cast<int64_t>(sizeof(T));
+  const int64_t vector_end = kExpLanes > 0 ? w / pair * pair : 0;
+  std::vector<float> negated(w), e(w);
+  for (int64_t r = begin; r < end; ++r) {
+    const T* gate = static_cast<const T*>(p.gate_up) + r * p.gate_up_stride;
+    const T* up = gate + w;
+    T* out = static_cast<T*>(p.out) + r * w;
+    for (int64_t i = 0; i < w; ++i) negated[i] = -to_float(gate[i]);
+    for (int64_t i = 0; i < vector_end; i += (kExpLanes > 0 ? kExpLanes : 1)) exp_lanes(&negated[i], &e[i]);
+    for (int64_t i = vector_end; i < w; ++i) e[i] = std::exp(negated[i]);
+    for (int64_t i = 0; i < w; ++i) {
+      const float silu = to_float(from_float<T>(to_float(gate[i]) / (1.0f + e[i])));
+      out[i] = from_float<T>(silu * to_float(up[i]));
+    }
+  }
+}
+
+void run_silu_mul(const SiluMulParams& p, int64_t begin, int64_t end) {
+  if (p.is_bfloat16) return silu_mul_rows<c10::BFloat16>(p, begin, end);
+  silu_mul_rows<float>(p, begin, end);
 }
