@@ -56,8 +56,9 @@ struct RopeParams {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c,bmi2")
 #include <immintrin.h>
-// torch's Vectorized<float>::exp() on AVX-512 (libtorch_cpu exports its SLEEF functions).
-extern "C" __m512 Sleef_expf16_u10(__m512);
+// torch's Vectorized<float>::exp() on AVX-512 (libtorch_cpu exports its SLEEF functions). Weak: a torch
+// without it still loads this library, and silu_mul then takes the generic path.
+extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
 namespace avx512 {
 // exp of 16 floats as torch's AVX-512 kernels compute it; their vectors are 64 bytes.
 constexpr int64_t kExpLanes = 16;
@@ -132,7 +133,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t width) {
   const int64_t rows = gate_up.size(0);
   at::Tensor out = at::empty({rows, width}, gate_up.options().memory_format(at::MemoryFormat::Contiguous));
   SiluMulParams p{gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width, dtype == at::kBFloat16};
-  const bool wide = use_avx512();
+#ifdef FO_MULTI_TARGET
+  const bool wide = use_avx512() && Sleef_expf16_u10 != nullptr;
+#endif
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
 #ifdef FO_MULTI_TARGET
