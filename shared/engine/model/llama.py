@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shared.engine.model.attention import AttentionMetadata, OutputRows, paged_attention, write_kv

@@ -90,6 +90,35 @@ static bool use_avx512() {
 #endif
 }
 
+// SLEEF's exp is found (silu_mul's AVX-512 copy needs it) and the CPU runs AVX-512.
+static bool use_avx512_exp() {
+#ifdef FO_MULTI_TARGET
+  return use_avx512() && Sleef_expf16_u10 != nullptr;
+#else
+  return false;
+#endif
+}
+
+template <typename P>
+using RowKernel = void (*)(const P&, int64_t, int64_t);
+
+// An op's AVX-512 copy (null where none is built) and its generic copy.
+#ifdef FO_MULTI_TARGET
+#define FO_KERNELS(name) avx512::name, generic::name
+#else
+#define FO_KERNELS(name) nullptr, generic::name
+#endif
+
+// Rows [0, rows) of row_elements elements each, on torch's intra-op pool in tasks of about grain_elements
+// elements, by the AVX-512 copy when `wide` and built, else by the generic one.
+template <typename P>
+static void run_rows(const P& p, int64_t rows, int64_t row_elements, int64_t grain_elements, bool wide,
+                     RowKernel<P> wide_kernel, RowKernel<P> generic_kernel) {
+  const RowKernel<P> kernel = wide && wide_kernel != nullptr ? wide_kernel : generic_kernel;
+  const int64_t grain = std::max<int64_t>(1, grain_elements / std::max<int64_t>(row_elements, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) { kernel(p, begin, end); });
+}
+
 static void check_rows(const at::Tensor& t, const char* name, int64_t rows, int64_t hidden, at::ScalarType dtype) {
   TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == rows && t.size(1) == hidden, name, " must be [", rows, ", ",
                     hidden, "], got ", t.sizes());
@@ -112,14 +141,7 @@ at::Tensor add_rms_norm(const at::Tensor& residual, const std::optional<at::Tens
   NormParams p{residual.data_ptr(), residual.stride(0), delta.has_value() ? delta->data_ptr() : nullptr,
                delta.has_value() ? delta->stride(0) : 0, weight.data_ptr(), out.data_ptr(), hidden,
                static_cast<float>(eps), dtype == at::kBFloat16};
-  const bool wide = use_avx512();
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(hidden, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-#ifdef FO_MULTI_TARGET
-    if (wide) return avx512::run_norm(p, begin, end);
-#endif
-    generic::run_norm(p, begin, end);
-  });
+  run_rows(p, rows, hidden, 16384, use_avx512(), FO_KERNELS(run_norm));
   return out;
 }
 
@@ -133,16 +155,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t width) {
   const int64_t rows = gate_up.size(0);
   at::Tensor out = at::empty({rows, width}, gate_up.options().memory_format(at::MemoryFormat::Contiguous));
   SiluMulParams p{gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width, dtype == at::kBFloat16};
-#ifdef FO_MULTI_TARGET
-  const bool wide = use_avx512() && Sleef_expf16_u10 != nullptr;
-#endif
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-#ifdef FO_MULTI_TARGET
-    if (wide) return avx512::run_silu_mul(p, begin, end);
-#endif
-    generic::run_silu_mul(p, begin, end);
-  });
+  run_rows(p, rows, width, 32768, use_avx512_exp(), FO_KERNELS(run_silu_mul));
   return out;
 }
 
@@ -158,14 +171,7 @@ void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   check_rows(sin, "sin", tokens, head_dim, dtype);
   RopeParams p{x.data_ptr(), x.stride(0), x.stride(1), x.size(1), head_dim, cos.data_ptr(), cos.stride(0),
                sin.data_ptr(), sin.stride(0), dtype == at::kBFloat16};
-  const bool wide = use_avx512();
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(x.size(1) * head_dim, 1));
-  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
-#ifdef FO_MULTI_TARGET
-    if (wide) return avx512::run_rope(p, begin, end);
-#endif
-    generic::run_rope(p, begin, end);
-  });
+  run_rows(p, tokens, x.size(1) * head_dim, 16384, use_avx512(), FO_KERNELS(run_rope));
 }
 
 }  // namespace pdserve

@@ -146,7 +146,7 @@ void silu_mul_rows(const SiluMulParams& p, int64_t begin, int64_t end) {
     const T* up = gate + w;
     T* out = static_cast<T*>(p.out) + r * w;
     for (int64_t i = 0; i < w; ++i) negated[i] = -to_float(gate[i]);
-    for (int64_t i = 0; i < vector_end; i += (kExpLanes > 0 ? kExpLanes : 1)) exp_lanes(&negated[i], &e[i]);
+    for (int64_t i = 0; i < vector_end; i += kExpLanes) exp_lanes(&negated[i], &e[i]);  // none without kExpLanes
     for (int64_t i = vector_end; i < w; ++i) e[i] = std::exp(negated[i]);
     for (int64_t i = 0; i < w; ++i) {
       const float silu = to_float(from_float<T>(to_float(gate[i]) / (1.0f + e[i])));
