@@ -165,13 +165,11 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, f"n is {sampling.n}, and the pods of a tier run at "
                              f"most {capacity} requests at once, all together (--max-requests-in-flight)")
         # The split system's one length check: the pods do not check again (their engines end a sequence at
-        # the model's length). An unset max_tokens is the pods' to fill (the checkpoint's max_new_tokens fits
-        # the room left).
-        named_max_tokens = None if "max_tokens" in sampling.unset else sampling.max_tokens
+        # the model's length).
         max_model_len = self.max_model_len
         if max_model_len is not None:
             try:
-                check_context_length(len(prompt_ids), named_max_tokens, max_model_len)
+                check_context_length(len(prompt_ids), sampling, max_model_len)
             except InvalidRequest as exc:
                 raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         return prompt_ids, sampling

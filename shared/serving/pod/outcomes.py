@@ -7,6 +7,8 @@ from typing import Iterator
 
 import grpc
 
+from shared.engine.request import SamplingParams
+
 # Every label value `requests_total{outcome=...}` may take, pods and router alike; fixed so a bug
 # cannot explode the series count, and pre-created so a scrape shows zeros before the first request.
 OK = "ok"  # finished normally (stop, length, EOS)
@@ -31,11 +33,12 @@ class InvalidRequest(CallError, ValueError):
         self.param = param
 
 
-def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+def check_context_length(num_prompt_tokens: int, sampling: SamplingParams, max_model_len: int) -> None:
     """The length rule of serving, checked once, where a request enters: by the router before it forwards
-    it, by the colocated server for its callers. The prompt and max_tokens (None: the caller named none, so
-    at least one token) fit the model's length, or InvalidRequest in OpenAI's words (clients detect a
-    context overflow by them)."""
+    it, by the colocated server for its callers. The prompt and the max_tokens the caller named (none named:
+    at least one token; the pods fill it later within the room left) fit the model's length, or
+    InvalidRequest in OpenAI's words (clients detect a context overflow by them; vLLM refuses, never caps)."""
+    max_tokens = None if "max_tokens" in sampling.unset else sampling.max_tokens
     num_completion_tokens = 1 if max_tokens is None else max_tokens
     if num_prompt_tokens + num_completion_tokens <= max_model_len:
         return

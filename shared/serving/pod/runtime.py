@@ -246,12 +246,10 @@ class Pod:
         return self.engine.generation.fill(sampling, self.max_model_len - num_prompt_tokens)
 
     def check_context_length(self, sampling: SamplingParams, num_prompt_tokens: int) -> None:
-        """At the edge only (the colocated server's Generate; the router for the split): InvalidRequest for a
-        prompt that, with the max_tokens the caller named, passes the model's length (vLLM's server refuses,
-        never caps). Prefill and decode pods do not check again: their engine ends a sequence at the model's
-        length."""
-        named = None if "max_tokens" in sampling.unset else sampling.max_tokens
-        check_context_length(num_prompt_tokens, named, self.max_model_len)
+        """At the edge only (the colocated server's Generate; the router for the split): outcomes'
+        check_context_length against this pod's model length. Prefill and decode pods do not check again:
+        their engine ends a sequence at the model's length."""
+        check_context_length(num_prompt_tokens, sampling, self.max_model_len)
 
     def check_room(self, num_requests: int) -> None:
         """Admits a fan-out (n completions) whole or not at all: InvalidRequest when it could never fit,
