@@ -3,11 +3,40 @@
 // and sum is the same, rounded to the storage dtype where torch rounds. Included by fused_ops.cpp inside
 // one namespace per instruction set; only GCC/Clang vector extensions and scalar code.
 
-template <typename T>
-FO_INLINE float to_float(T x) { return static_cast<float>(x); }
+// Element loads and stores through the storage bits, in integer steps the compiler vectorises (through
+// c10::BFloat16's class it kept the norm's loops scalar). Widening is a shift; narrowing rounds to nearest
+// even and maps NaN to 0x7fc0, exactly as c10::detail::round_to_nearest_even does.
+FO_INLINE float load(const float* p) { return *p; }
+FO_INLINE void store(float* p, float value) { *p = value; }
 
+FO_INLINE float load(const c10::BFloat16* p) {
+  const uint32_t bits = static_cast<uint32_t>(p->x) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+FO_INLINE uint16_t bfloat16_bits(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  const uint32_t rounded = (bits + UINT32_C(0x7fff) + ((bits >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>(value != value ? UINT32_C(0x7fc0) : rounded);
+}
+
+FO_INLINE void store(c10::BFloat16* p, float value) { p->x = bfloat16_bits(value); }
+
+// value rounded to T and back: the float32 that T holds after torch's op writes value to it.
 template <typename T>
-FO_INLINE T from_float(float x) { return static_cast<T>(x); }  // c10::BFloat16: round to nearest even
+FO_INLINE float rounded(float value) {
+  if constexpr (std::is_same_v<T, float>) {
+    return value;
+  } else {
+    const uint32_t bits = static_cast<uint32_t>(bfloat16_bits(value)) << 16;
+    float narrowed;
+    std::memcpy(&narrowed, &bits, sizeof narrowed);
+    return narrowed;
+  }
+}
 
 // sum(x[i]^2) in the order of torch's float32 sum over a contiguous last dimension (aten's
 // SumKernel.cpp: vectorized_inner_sum -> row_sum (4 interleaved accumulators of `lanes`-wide vectors,
@@ -66,20 +95,24 @@ FO_INLINE float torch_sum_of_squares(const float* sq, int64_t n) {
 template <typename T, int kLanes>
 FO_INLINE void norm_row(T* residual, const T* delta, const T* weight, T* out, int64_t n, float eps, float* x,
                         float* sq) {
-  for (int64_t i = 0; i < n; ++i) {
-    float v = to_float(residual[i]);
-    if (delta != nullptr) {
-      const T sum = from_float<T>(v + to_float(delta[i]));
-      residual[i] = sum;
-      v = to_float(sum);
+  if (delta != nullptr) {  // two loops, not a test per element: the test kept the loop from vectorising
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = rounded<T>(load(residual + i) + load(delta + i));
+      store(residual + i, v);
+      x[i] = v;
+      sq[i] = v * v;
     }
-    x[i] = v;
-    sq[i] = v * v;
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = load(residual + i);
+      x[i] = v;
+      sq[i] = v * v;
+    }
   }
   const float variance = torch_sum_of_squares<kLanes>(sq, n) / static_cast<float>(n);
   const float inv = 1.0f / std::sqrt(variance + eps);
   for (int64_t i = 0; i < n; ++i) {
-    out[i] = from_float<T>(to_float(weight[i]) * to_float(from_float<T>(x[i] * inv)));
+    store(out + i, load(weight + i) * rounded<T>(x[i] * inv));
   }
 }
 
@@ -113,14 +146,14 @@ void rope_rows(const RopeParams& p, int64_t begin, int64_t end) {
     const T* s = static_cast<const T*>(p.sin) + t * p.sin_stride;
     for (int64_t head = 0; head < p.num_heads; ++head) {
       T* row = static_cast<T*>(p.x) + t * p.token_stride + head * p.head_stride;
-      for (int64_t i = 0; i < d; ++i) x[i] = to_float(row[i]);
+      for (int64_t i = 0; i < d; ++i) x[i] = load(row + i);
       for (int64_t i = 0; i < h; ++i) {
-        const float y = to_float(from_float<T>(x[i] * to_float(c[i])));
-        row[i] = from_float<T>(y - to_float(from_float<T>(x[i + h] * to_float(s[i]))));
+        const float y = rounded<T>(x[i] * load(c + i));
+        store(row + i, y - rounded<T>(x[i + h] * load(s + i)));
       }
       for (int64_t i = h; i < d; ++i) {
-        const float y = to_float(from_float<T>(x[i] * to_float(c[i])));
-        row[i] = from_float<T>(y + to_float(from_float<T>(x[i - h] * to_float(s[i]))));
+        const float y = rounded<T>(x[i] * load(c + i));
+        store(row + i, y + rounded<T>(x[i - h] * load(s + i)));
       }
     }
   }
@@ -145,12 +178,12 @@ void silu_mul_rows(const SiluMulParams& p, int64_t begin, int64_t end) {
     const T* gate = static_cast<const T*>(p.gate_up) + r * p.gate_up_stride;
     const T* up = gate + w;
     T* out = static_cast<T*>(p.out) + r * w;
-    for (int64_t i = 0; i < w; ++i) negated[i] = -to_float(gate[i]);
+    for (int64_t i = 0; i < w; ++i) negated[i] = -load(gate + i);
     for (int64_t i = 0; i < vector_end; i += kExpLanes) exp_lanes(&negated[i], &e[i]);  // none without kExpLanes
     for (int64_t i = vector_end; i < w; ++i) e[i] = std::exp(negated[i]);
     for (int64_t i = 0; i < w; ++i) {
-      const float silu = to_float(from_float<T>(to_float(gate[i]) / (1.0f + e[i])));
-      out[i] = from_float<T>(silu * to_float(up[i]));
+      const float silu = rounded<T>(load(gate + i) / (1.0f + e[i]));
+      store(out + i, silu * load(up + i));
     }
   }
 }
