@@ -9,12 +9,14 @@
 FO_INLINE float load(const float* p) { return *p; }
 FO_INLINE void store(float* p, float value) { *p = value; }
 
-FO_INLINE float load(const c10::BFloat16* p) {
-  const uint32_t bits = static_cast<uint32_t>(p->x) << 16;
+FO_INLINE float widen_bfloat16(uint16_t storage) {
+  const uint32_t bits = static_cast<uint32_t>(storage) << 16;
   float value;
   std::memcpy(&value, &bits, sizeof value);
   return value;
 }
+
+FO_INLINE float load(const c10::BFloat16* p) { return widen_bfloat16(p->x); }
 
 FO_INLINE uint16_t bfloat16_bits(float value) {
   uint32_t bits;
@@ -31,10 +33,7 @@ FO_INLINE float rounded(float value) {
   if constexpr (std::is_same_v<T, float>) {
     return value;
   } else {
-    const uint32_t bits = static_cast<uint32_t>(bfloat16_bits(value)) << 16;
-    float narrowed;
-    std::memcpy(&narrowed, &bits, sizeof narrowed);
-    return narrowed;
+    return widen_bfloat16(bfloat16_bits(value));
   }
 }
 
